@@ -1,0 +1,104 @@
+"""Choosing and loading a step: newest first, local tier before remote, every copy verified before use.
+
+A step is tried in each tier that lists it as committed; a copy that fails verification is logged (naming the files)
+and the next copy, then the next older step, is tried. State mismatches (keys, shapes, dtypes) are not corruption:
+they are raised at once, before any byte is read, and the state is left untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .snapshot.tree import plan_restore, tensor_view_factory
+from .storage.base import Store
+from .tiers.reader import load_files, read_manifests
+from .tiers.verify import list_root
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+
+def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
+            strict: bool) -> int | None:
+    listings: dict[str, set[int]] = {}
+    for store in tiers:
+        try:
+            listings[store.tier] = set(list_root(store).steps)
+        except OSError as exc:
+            log.warning("tier %s: cannot list %s: %s", store.tier, store.url, exc)
+            listings[store.tier] = set()
+    known = set().union(*listings.values()) if listings else set()
+    if step is not None:
+        candidates = [step]
+    else:
+        candidates = sorted(known, reverse=True)
+        if not candidates:
+            return None
+    failures: list[CorruptCheckpointError] = []
+    for s in candidates:
+        holders = [store for store in tiers if s in listings[store.tier]]
+        for store in holders:
+            try:
+                _load(mgr, store, s, state, strict)
+            except CorruptCheckpointError as exc:
+                exc.step = s if exc.step is None else exc.step
+                exc.tier = exc.tier or store.tier
+                failures.append(exc)
+                log.warning("restore: step %d in tier %s is corrupt (%s); files: %s; trying the next copy",
+                            s, store.tier, exc, ", ".join(exc.bad_files) or "?")
+                continue
+            if failures:
+                log.warning("restore: loaded step %d from tier %s after skipping %d corrupt copies", s, store.tier, len(failures))
+            else:
+                log.info("restore: loaded step %d from tier %s (%s)", s, store.tier, store.url)
+            return s
+        if step is not None:
+            if not holders:
+                raise CheckpointNotFoundError("no tier holds this step", step=s, tier="+".join(listings) or None,
+                                              path=", ".join(t.url for t in tiers))
+            bad = [f for e in failures for f in e.bad_files]
+            raise CorruptCheckpointError(
+                "no copy of this step verifies: " + "; ".join(str(e) for e in failures), step=s, bad_files=bad)
+    bad = [f for e in failures for f in e.bad_files]
+    raise CorruptCheckpointError(
+        f"every committed step ({len(candidates)}) failed verification; newest error: {failures[0]}",
+        step=candidates[0], bad_files=bad)
+
+
+def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> None:
+    _manifest, rms = read_manifests(store, step, ranks=[mgr.rank])
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {mgr.rank} is not in the checkpoint", step=step, tier=store.tier)
+    rm = rms[0]
+    if rm.world_size != mgr.world_size:
+        raise CorruptCheckpointError(
+            f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}", step=step, tier=store.tier)
+    plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step)  # raises before any I/O
+    holder: dict[str, Any] = {}
+
+    def alloc(n: int) -> memoryview:
+        slot = mgr._pool.acquire(n)
+        holder["slot"] = slot
+        assert slot.buffer is not None
+        return memoryview(slot.buffer[:n].numpy())
+
+    try:
+        _views, offsets = load_files(store, rm, alloc, executor=mgr._io)
+        buf: torch.Tensor = holder["slot"].buffer
+
+        def raw(i: int) -> torch.Tensor:
+            rec = rm.tensors[i]
+            start = offsets[rec.file] + rec.offset
+            return buf[start : start + rec.nbytes]
+
+        plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step)
+    finally:
+        if "slot" in holder:
+            mgr._pool.release(holder["slot"])

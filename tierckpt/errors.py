@@ -1,0 +1,82 @@
+"""The error hierarchy.
+
+Every error tierckpt raises on purpose derives from :class:`CheckpointError`. Subclasses also inherit the matching
+builtin so that generic handlers keep working (``except FileNotFoundError`` catches a missing checkpoint).
+Each error carries the ``step``, ``tier`` and ``path`` it concerns, where known, and puts them in its message.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "StateMismatchError",
+    "CheckpointLockedError",
+    "StorageError",
+    "UploadError",
+]
+
+
+class CheckpointError(Exception):
+    """Root of every error tierckpt raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        tier: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        self.step = step
+        self.tier = tier
+        self.path = path
+        self.detail = message
+        context = []
+        if step is not None:
+            context.append(f"step {step}")
+        if tier is not None:
+            context.append(f"tier {tier}")
+        if path is not None:
+            context.append(f"path {path}")
+        full = f"{message} [{', '.join(context)}]" if context else message
+        super().__init__(full)
+
+    def __reduce__(self):  # keep the keyword-only context when pickled across processes
+        return (_rebuild, (type(self), self.detail, self.step, self.tier, self.path))
+
+
+def _rebuild(cls, message, step, tier, path):  # pragma: no cover - used by pickle only
+    return cls(message, step=step, tier=tier, path=path)
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No tier holds the requested checkpoint (or none exists at all)."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint exists but fails verification: bad checksum, truncated, missing file or malformed manifest."""
+
+    def __init__(self, message: str, *, bad_files: list[str] | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.bad_files = list(bad_files or [])
+
+
+class StateMismatchError(CheckpointError, KeyError):
+    """The checkpoint does not fit the state it is loaded into: a missing/unexpected key, shape or dtype."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+class CheckpointLockedError(CheckpointError, BlockingIOError):
+    """Another manager already owns this local folder (and rank)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A storage operation failed (after retries, where they apply)."""
+
+
+class UploadError(StorageError):
+    """A step could not be replicated to the remote tier."""

@@ -1,0 +1,78 @@
+"""Names of folders and files in a tier's root.
+
+Invariants:
+- A committed step lives in ``step-<step, 10+ digits>/`` and is committed iff that folder holds a valid
+  ``manifest.json``. Everything else in the root is either another step or a leftover.
+- Leftovers carry names only the manager makes (``.tmp-``, ``.trash-``); only those are ever removed by cleanup.
+- Every file name in a manifest is a single safe path component (:func:`check_file_name`), so a path read from a
+  manifest can never leave its step folder.
+- Data and rank-manifest names carry a per-save id, so that a new save of a step written next to an old one (object
+  stores) never overwrites the old files before the new ``manifest.json`` switches to them.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+from ..errors import CorruptCheckpointError
+
+STEP_MANIFEST = "manifest.json"
+LOCK_PREFIX = ".lock-rank"
+RECORDS_FILE = "saves.jsonl"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+
+_STEP_RE = re.compile(r"^step-(\d{10,20})$")
+_SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_TMP_RE = re.compile(r"^\.tmp-(step-\d{10,20})-[0-9a-f]{8,32}$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def new_save_id() -> str:
+    return secrets.token_hex(4)
+
+
+def tmp_dir(step: int, save_id: str) -> str:
+    return f"{TMP_PREFIX}{step_dir(step)}-{save_id}"
+
+
+def parse_tmp_dir(name: str) -> str | None:
+    """The final step folder name a temporary folder was meant for, or None if it is not one of ours."""
+    m = _TMP_RE.match(name)
+    return m.group(1) if m else None
+
+
+def trash_dir(name: str) -> str:
+    return f"{TRASH_PREFIX}{name}-{new_save_id()}"
+
+
+def is_leftover(name: str) -> bool:
+    return name.startswith(TMP_PREFIX) or name.startswith(TRASH_PREFIX)
+
+
+def rank_manifest_name(rank: int, save_id: str) -> str:
+    return f"r{rank:05d}-{save_id}.manifest.json"
+
+
+def data_file_name(rank: int, part: int, save_id: str) -> str:
+    return f"r{rank:05d}-p{part:04d}-{save_id}.safetensors"
+
+
+def lock_name(rank: int) -> str:
+    return f"{LOCK_PREFIX}{rank:05d}"
+
+
+def check_file_name(name: object, *, step: int | None = None, path: str | None = None) -> str:
+    """Reject anything but one plain path component (no separators, no ``..``, no leading dot)."""
+    if not isinstance(name, str) or not _SAFE_RE.match(name) or ".." in name:
+        raise CorruptCheckpointError(f"unsafe file name {name!r} in manifest", step=step, path=path)
+    return name

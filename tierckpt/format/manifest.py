@@ -1,0 +1,291 @@
+"""Manifests: the JSON records that describe, and commit, a checkpoint.
+
+Two kinds, both JSON (never pickle), both carrying a checksum of their own canonical content:
+
+- :class:`RankManifest` (``r<rank>-<save id>.manifest.json``): one rank's files (name, size, checksum), its tensors
+  (name, key path, dtype, shape, file, byte range, checksum), the type-tagged tree of everything else, and the user's
+  metadata.
+- :class:`StepManifest` (``manifest.json``): the step, the world size, and every rank manifest with its size and
+  checksum. Writing it is the commit: it is always the last file written in a step folder.
+
+Parsing trusts nothing: every field is type-checked, every file name must be one safe path component, every byte
+range must lie inside its file, and every size is checked before anything of that size is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .._version import __version__
+from ..errors import CorruptCheckpointError
+from . import hashing
+from .dtypes import ITEMSIZE
+from .layout import check_file_name
+from .safetensors import check_shape
+
+FORMAT = "tierckpt"
+FORMAT_VERSION = 1
+#: No manifest is read if larger than this (bytes).
+MAX_MANIFEST_BYTES = 256 << 20
+#: Containers tags the tree may use for tensors.
+TENSOR_KINDS = ("torch", "numpy")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    checksum: str
+    data_start: int
+    #: Set in a remote copy stored compressed: the codec ("zstd") and the stored (compressed) size.
+    compression: str | None = None
+    stored_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    index: int
+    name: str
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: int
+    offset: int
+    nbytes: int
+    checksum: str
+    kind: str = "torch"
+
+
+@dataclass(frozen=True)
+class RankManifest:
+    step: int
+    rank: int
+    world_size: int
+    save_id: str
+    files: tuple[FileRecord, ...]
+    tensors: tuple[TensorRecord, ...]
+    tree: Any
+    metadata: Any = None
+    created: float = field(default_factory=time.time)
+    library_version: str = __version__
+    format_version: int = FORMAT_VERSION
+    hash_algorithm: str = hashing.ALGORITHM
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["format"] = FORMAT + ".rank"
+        return _seal(d)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, step: int | None = None, path: str | None = None) -> RankManifest:
+        d = _unseal(raw, FORMAT + ".rank", step=step, path=path)
+        g = _Getter(d, step, path)
+        files = []
+        for i, fd in enumerate(g.list("files")):
+            fg = _Getter(fd, step, path, f"files[{i}]")
+            size = fg.int("size")
+            data_start = fg.int("data_start")
+            if data_start > size:
+                raise CorruptCheckpointError(f"files[{i}].data_start beyond its size", step=step, path=path)
+            comp = fg.opt_str("compression")
+            if comp not in (None, "zstd"):
+                raise CorruptCheckpointError(f"unknown compression {comp!r}", step=step, path=path)
+            files.append(
+                FileRecord(
+                    name=check_file_name(fg.str("name"), step=step, path=path),
+                    size=size,
+                    checksum=fg.str("checksum"),
+                    data_start=data_start,
+                    compression=comp,
+                    stored_size=fg.opt_int("stored_size"),
+                )
+            )
+        names = [f.name for f in files]
+        if len(set(names)) != len(names):
+            raise CorruptCheckpointError("duplicate file names in manifest", step=step, path=path)
+        tensors = []
+        for i, td in enumerate(g.list("tensors")):
+            tg = _Getter(td, step, path, f"tensors[{i}]")
+            dtype = tg.str("dtype")
+            if dtype not in ITEMSIZE:
+                raise CorruptCheckpointError(f"tensors[{i}]: unknown dtype {dtype!r}", step=step, path=path)
+            shape = check_shape(tg.raw("shape"), f"tensors[{i}]")
+            fidx, offset, nbytes = tg.int("file"), tg.int("offset"), tg.int("nbytes")
+            if fidx >= len(files) or offset + nbytes > files[fidx].size or offset < files[fidx].data_start:
+                raise CorruptCheckpointError(f"tensors[{i}]: byte range outside its file", step=step, path=path)
+            if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
+                raise CorruptCheckpointError(f"tensors[{i}]: nbytes does not match shape/dtype", step=step, path=path)
+            kind = tg.str("kind")
+            if kind not in TENSOR_KINDS:
+                raise CorruptCheckpointError(f"tensors[{i}]: unknown kind {kind!r}", step=step, path=path)
+            if tg.int("index") != i:
+                raise CorruptCheckpointError(f"tensors[{i}]: index out of order", step=step, path=path)
+            tensors.append(
+                TensorRecord(i, tg.str("name"), tg.str("path"), dtype, shape, fidx, offset, nbytes, tg.str("checksum"), kind)
+            )
+        world = g.int("world_size")
+        rank = g.int("rank")
+        if world < 1 or rank >= world:
+            raise CorruptCheckpointError(f"rank {rank} outside world size {world}", step=step, path=path)
+        return cls(
+            step=g.int("step"),
+            rank=rank,
+            world_size=world,
+            save_id=g.str("save_id"),
+            files=tuple(files),
+            tensors=tuple(tensors),
+            tree=g.raw("tree"),
+            metadata=d.get("metadata"),
+            created=g.num("created"),
+            library_version=g.str("library_version"),
+            format_version=g.int("format_version"),
+            hash_algorithm=g.str("hash_algorithm"),
+        )
+
+
+@dataclass(frozen=True)
+class RankRef:
+    rank: int
+    name: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class StepManifest:
+    step: int
+    world_size: int
+    save_id: str
+    ranks: tuple[RankRef, ...]
+    total_bytes: int
+    metadata: Any = None
+    created: float = field(default_factory=time.time)
+    library_version: str = __version__
+    format_version: int = FORMAT_VERSION
+    hash_algorithm: str = hashing.ALGORITHM
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["format"] = FORMAT + ".step"
+        return _seal(d)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, step: int | None = None, path: str | None = None) -> StepManifest:
+        d = _unseal(raw, FORMAT + ".step", step=step, path=path)
+        g = _Getter(d, step, path)
+        world = g.int("world_size")
+        ranks = []
+        for i, rd in enumerate(g.list("ranks")):
+            rg = _Getter(rd, step, path, f"ranks[{i}]")
+            ranks.append(
+                RankRef(rg.int("rank"), check_file_name(rg.str("name"), step=step, path=path), rg.int("size"), rg.str("checksum"))
+            )
+        if world < 1 or sorted(r.rank for r in ranks) != list(range(world)):
+            raise CorruptCheckpointError(f"manifest does not list exactly ranks 0..{world - 1}", step=step, path=path)
+        m = cls(
+            step=g.int("step"),
+            world_size=world,
+            save_id=g.str("save_id"),
+            ranks=tuple(sorted(ranks, key=lambda r: r.rank)),
+            total_bytes=g.int("total_bytes"),
+            metadata=d.get("metadata"),
+            created=g.num("created"),
+            library_version=g.str("library_version"),
+            format_version=g.int("format_version"),
+            hash_algorithm=g.str("hash_algorithm"),
+        )
+        if step is not None and m.step != step:
+            raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}", step=step, path=path)
+        return m
+
+
+def _seal(d: dict[str, Any]) -> bytes:
+    d.pop("checksum", None)
+    d["checksum"] = hashing.json_checksum(d)
+    return json.dumps(d, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def _unseal(raw: bytes, kind: str, *, step: int | None, path: str | None) -> dict[str, Any]:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", step=step, path=path)
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"unreadable manifest: {exc}", step=step, path=path) from None
+    if not isinstance(d, dict) or d.get("format") != kind:
+        raise CorruptCheckpointError(f"not a {kind} manifest", step=step, path=path)
+    version = d.get("format_version")
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+        raise CorruptCheckpointError(
+            f"manifest format version {version!r} is not supported by tierckpt {__version__} "
+            f"(reads up to {FORMAT_VERSION})",
+            step=step,
+            path=path,
+        )
+    if d.get("hash_algorithm") != hashing.ALGORITHM:
+        raise CorruptCheckpointError(f"unsupported hash algorithm {d.get('hash_algorithm')!r}", step=step, path=path)
+    claimed = d.pop("checksum", None)
+    try:
+        actual = hashing.json_checksum(d)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"manifest not canonical JSON: {exc}", step=step, path=path) from None
+    if claimed != actual:
+        raise CorruptCheckpointError("manifest checksum mismatch (edited or damaged)", step=step, path=path)
+    d.pop("format")
+    return d
+
+
+class _Getter:
+    """Typed field access that turns any surprise into a CorruptCheckpointError naming the field."""
+
+    def __init__(self, d: Any, step: int | None, path: str | None, where: str = "") -> None:
+        if not isinstance(d, dict):
+            raise CorruptCheckpointError(f"manifest {where or 'root'} is not an object", step=step, path=path)
+        self.d, self.step, self.path, self.where = d, step, path, where
+
+    def _bad(self, key: str, want: str) -> CorruptCheckpointError:
+        name = f"{self.where}.{key}" if self.where else key
+        return CorruptCheckpointError(f"manifest field {name} missing or not {want}", step=self.step, path=self.path)
+
+    def raw(self, key: str) -> Any:
+        if key not in self.d:
+            raise self._bad(key, "present")
+        return self.d[key]
+
+    def int(self, key: str) -> int:
+        v = self.d.get(key)
+        if type(v) is not int or v < 0 or v >= 1 << 63:
+            raise self._bad(key, "a non-negative integer")
+        return v
+
+    def opt_int(self, key: str) -> int | None:
+        return None if self.d.get(key) is None else self.int(key)
+
+    def num(self, key: str) -> float:
+        v = self.d.get(key)
+        if type(v) not in (int, float):
+            raise self._bad(key, "a number")
+        return float(v)
+
+    def str(self, key: str) -> str:
+        v = self.d.get(key)
+        if not isinstance(v, str):
+            raise self._bad(key, "a string")
+        return v
+
+    def opt_str(self, key: str) -> str | None:
+        return None if self.d.get(key) is None else self.str(key)
+
+    def list(self, key: str) -> list[Any]:
+        v = self.d.get(key)
+        if not isinstance(v, list):
+            raise self._bad(key, "a list")
+        return v

@@ -1,0 +1,457 @@
+"""CheckpointManager: the public entry point. Data flows one way: state -> snapshot -> local tier -> remote tier.
+
+Threads: the caller's thread flattens the state and copies it into a staging slot (the only time training waits);
+one *persist* thread writes each snapshot to the local tier (with ``writer_threads`` file writers) and commits it;
+one *upload* thread replicates committed steps to the remote tier. Steps move through each stage in order.
+
+Invariants:
+- ``save()`` returns only after every tensor's bytes are in manager-owned host memory;
+- a step is visible in a tier only once committed there (see :mod:`tierckpt.storage.commit`);
+- retention in a tier runs only after a newer step committed there, never deletes that tier's newest step, and
+  never deletes a local step whose remote copy is not committed (when a remote tier is configured);
+- an error in a background thread fails that save's futures, is logged with step/tier/path, and is re-raised once
+  by the caller's next ``save()``, ``wait()`` or ``close()``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+
+from . import _restore
+from .errors import CheckpointError, CheckpointLockedError
+from .format import layout
+from .format.plan import SnapshotPlan, make_plan
+from .handle import SaveHandle, SaveRecord
+from .options import Options, check_storage_options
+from .retention import KeepPolicy
+from .snapshot import staging, tree
+from .status import StepInfo, list_steps
+from .storage.commit import protocol_for
+from .storage.local import LocalStore
+from .storage.open import open_store
+from .tiers import writer
+
+log = logging.getLogger(__name__)
+
+
+def _json_metadata(metadata: Any) -> Any:
+    import json
+
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON-serialisable (no NaN/inf): {exc}") from None
+    return metadata
+
+
+class CheckpointManager:
+    """Asynchronous tiered checkpointing. See README.md for the tour and docs/ for the format and guarantees.
+
+    Args:
+        local_dir: node-local folder (NVMe) for the fast tier; created if missing.
+        remote: fsspec URL or path of the durable tier, or None.
+        storage_options: passed to fsspec for ``remote``.
+        keep_local / keep_remote / keep_every: retention (newest N per tier; every K-th step kept in the remote).
+        writer_threads: parallel file writers (and readers) for the local tier.
+        staging_buffers: host staging slots, each the size of one snapshot; the memory budget is
+            ``staging_buffers x state bytes``. With 1, a save waits while the previous one is still being written.
+        file_size_mb: target size of one data file; large states are split so files write/read in parallel.
+        upload_threads / upload_bandwidth_mbps / upload_deadline_s / upload_part_mb / remote_compression /
+            verify_uploads: the remote tier's uploader.
+        cache_remote_restores: copy a step restored from the remote tier into the local tier.
+        pin_memory: pin staging buffers (default: when CUDA is available).
+        rank / world_size: default from torch.distributed when initialised, else 0 / 1.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | os.PathLike[str],
+        remote: str | os.PathLike[str] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        keep_local: int = 2,
+        keep_remote: int | None = None,
+        keep_every: int | None = None,
+        writer_threads: int = 2,
+        staging_buffers: int = 1,
+        file_size_mb: int = 512,
+        upload_threads: int = 4,
+        upload_bandwidth_mbps: float | None = None,
+        upload_deadline_s: float | None = 3600.0,
+        upload_part_mb: int = 64,
+        remote_compression: str | None = None,
+        verify_uploads: bool = False,
+        cache_remote_restores: bool = False,
+        pin_memory: bool | None = None,
+        log_records: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.options = Options(
+            keep_local=keep_local, keep_remote=keep_remote, keep_every=keep_every, writer_threads=writer_threads,
+            staging_buffers=staging_buffers, file_size_mb=file_size_mb, upload_threads=upload_threads,
+            upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
+            upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
+            cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
+        )
+        if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
+            raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        if self.world_size != 1:
+            raise CheckpointError(
+                f"multi-rank checkpoints (world size {self.world_size}) are not supported by this version yet")
+        self.local: LocalStore = LocalStore(local_dir, tier="local")
+        self._lock_fd = self._lock()
+        self.remote = None
+        try:
+            for action in protocol_for(self.local).recover(self.local):
+                log.info("tier local: %s under %s", action, self.local.url)
+            if remote is not None:
+                self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote")
+        except BaseException:
+            self._unlock()
+            raise
+        cuda = torch.cuda.is_available()
+        pin = cuda if self.options.pin_memory is None else self.options.pin_memory
+        self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin)
+        self._copy_stream = torch.cuda.Stream() if cuda else None
+        self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
+        self._persist = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-persist")
+        self._plan: SnapshotPlan | None = None
+        self._locations: list[tuple[int, int]] = []
+        self._last_step: int | None = None
+        self._errors: list[BaseException] = []
+        self._errors_lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._records: list[SaveRecord] = []
+        self._closed = False
+        self._uploads: queue.Queue[tuple[int, SaveHandle | None] | None] = queue.Queue()
+        self._uploaded_remote: set[int] = set()
+        self._upload_thread: threading.Thread | None = None
+        if self.remote is not None:
+            self._upload_thread = threading.Thread(target=self._upload_loop, name="tierckpt-upload", daemon=True)
+            self._upload_thread.start()
+            self._resume_uploads()
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
+        """Snapshot ``state`` into host buffers and return; persisting and uploading continue in the background."""
+        self._check_open()
+        self._raise_background_error()
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise CheckpointError(f"step {step} is not after the last step this manager saved ({self._last_step})",
+                                  step=step, tier="local", path=self.local.url)
+        metadata = _json_metadata(metadata)
+        handle = SaveHandle(step)
+        flat = tree.flatten(state)
+        specs = [leaf.spec() for leaf in flat.leaves]
+        if self._plan is None or self._plan.signature != tuple(specs):
+            self._plan = make_plan(specs, file_bytes=self.options.file_size_mb << 20, min_files=self.options.writer_threads)
+            self._locations = staging.leaf_locations(self._plan)
+        plan, locations = self._plan, self._locations
+        slot = self._pool.acquire(plan.buffer_bytes)
+        try:
+            staging.copy_into(slot, plan, locations, flat.leaves, copy_stream=self._copy_stream)
+        except BaseException:
+            self._pool.release(slot)
+            raise
+        leaves_meta = [
+            writer.LeafMeta(leaf.name, leaf.path, leaf.dtype, leaf.shape, leaf.kind, locations[i][0], locations[i][1], leaf.nbytes)
+            for i, leaf in enumerate(flat.leaves)
+        ]
+        files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, tuple(t.leaf for t in f.tensors))
+                 for f in plan.files]
+        del flat.leaves  # drop references to the caller's tensors
+        stall = handle.elapsed()
+        rec = handle._record
+        rec.bytes, rec.tensors, rec.files, rec.stall_s = plan.total_bytes, len(leaves_meta), len(files), stall
+        handle.staged.set_result(stall)
+        self._last_step = step
+        fut = self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata)
+        self._track(fut)
+        log.debug("save step %d: staged %.1f MiB in %.3f s", step, plan.total_bytes / 2**20, stall)
+        return handle
+
+    def _persist_job(self, handle: SaveHandle, slot: staging.Slot, files: list[writer.StagedFile],
+                     leaves_meta: list[writer.LeafMeta], tree_json: Any, metadata: Any) -> None:
+        step = handle.step
+        try:
+            writer.persist(self.local, step=step, rank=self.rank, world_size=self.world_size,
+                           save_id=layout.new_save_id(), files=files, leaves=leaves_meta, tree=tree_json,
+                           metadata=metadata, executor=self._io)
+        except BaseException as exc:
+            self._pool.release(slot)
+            handle._record.error = str(exc)
+            handle.persisted.set_exception(exc)
+            if not handle.uploaded.done():
+                handle.uploaded.set_exception(exc)
+            self._background_error(exc, f"saving step {step} to the local tier failed")
+            self._write_record(handle)
+            return
+        self._pool.release(slot)
+        handle._record.persist_s = handle.elapsed()
+        handle.persisted.set_result(handle._record.persist_s)
+        if self.remote is None:
+            handle.uploaded.set_result(None)
+            self._write_record(handle)
+        else:
+            self._enqueue_upload(step, handle)
+        self._apply_local_retention()
+
+    # ------------------------------------------------------------------------------------------------ remote
+    def _enqueue_upload(self, step: int, handle: SaveHandle | None) -> None:
+        fut: Future = Future()
+        self._track(fut)
+        self._uploads.put((step, handle, fut))  # type: ignore[arg-type]
+
+    def _resume_uploads(self) -> None:
+        from .tiers.verify import list_root
+
+        assert self.remote is not None
+        try:
+            remote_steps = set(list_root(self.remote).steps)
+        except Exception as exc:  # remote down at start-up: the uploads will retry
+            log.warning("tier remote: cannot list %s at start-up: %s", self.remote.url, exc)
+            remote_steps = set()
+        for step in list_root(self.local).steps:
+            if step in remote_steps:
+                self._uploaded_remote.add(step)
+            else:
+                log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", step, self.remote.url)
+                self._enqueue_upload(step, None)
+
+    def _upload_loop(self) -> None:
+        from .tiers import uploader
+
+        while True:
+            item = self._uploads.get()
+            if item is None:
+                return
+            step, handle, fut = item  # type: ignore[misc]
+            try:
+                assert self.remote is not None
+                uploader.replicate_step(
+                    self.local, self.remote, step, threads=self.options.upload_threads,
+                    part_size=self.options.upload_part_mb << 20,
+                    bandwidth_bytes_per_s=None if self.options.upload_bandwidth_mbps is None else self.options.upload_bandwidth_mbps * 1e6,
+                    compression=self.options.remote_compression, verify=self.options.verify_uploads,
+                    deadline_s=self.options.upload_deadline_s,
+                )
+                self._uploaded_remote.add(step)
+                if handle is not None:
+                    handle._record.upload_s = handle.elapsed()
+                    handle.uploaded.set_result(handle._record.upload_s)
+                    self._write_record(handle)
+                self._apply_remote_retention()
+                self._apply_local_retention()
+                fut.set_result(None)
+            except BaseException as exc:
+                if handle is not None:
+                    handle._record.error = str(exc)
+                    handle.uploaded.set_exception(exc)
+                    self._write_record(handle)
+                self._background_error(exc, f"uploading step {step} to the remote tier failed (the local copy is kept)")
+                fut.set_result(None)
+
+    # ------------------------------------------------------------------------------------------------ retention
+    def _apply_local_retention(self) -> None:
+        from .tiers.verify import list_root
+
+        try:
+            steps = list(list_root(self.local).steps)
+            policy = KeepPolicy(keep_last=self.options.keep_local)
+            for step in policy.to_delete(steps):
+                if self.remote is not None and step not in self._uploaded_remote:
+                    continue  # never drop the only durable copy
+                _delete_step(self.local, step)
+        except Exception as exc:
+            log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
+
+    def _apply_remote_retention(self) -> None:
+        from .tiers.verify import list_root
+
+        assert self.remote is not None
+        try:
+            steps = list(list_root(self.remote).steps)
+            policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
+            for step in policy.to_delete(steps):
+                _delete_step(self.remote, step)
+                self._uploaded_remote.discard(step)
+        except Exception as exc:
+            log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
+
+    # ------------------------------------------------------------------------------------------------ waiting
+    def _track(self, fut: Future) -> None:
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save is durable on every configured tier; re-raise background errors once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pending = list(self._pending)
+            if not pending:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, not_done = wait_futures(pending, timeout=left)
+            if not_done and deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(not_done)} checkpoint operations still pending after {timeout} s")
+        self._raise_background_error()
+
+    def _background_error(self, exc: BaseException, what: str) -> None:
+        log.error("%s: %s", what, exc)
+        with self._errors_lock:
+            self._errors.append(exc)
+
+    def _raise_background_error(self) -> None:
+        with self._errors_lock:
+            if not self._errors:
+                return
+            first, rest = self._errors[0], self._errors[1:]
+            self._errors.clear()
+        if rest:
+            log.error("%d more background checkpoint errors were logged above", len(rest))
+        raise first
+
+    # ------------------------------------------------------------------------------------------------ restore
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, source: str = "auto",
+                strict: bool = True) -> int | None:
+        """Load the newest intact step (or exactly ``step``) into ``state`` in place; returns the step or None."""
+        self._check_open()
+        if source not in ("auto", "local", "remote"):
+            raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+        if source == "remote" and self.remote is None:
+            raise ValueError("source='remote' but this manager has no remote tier")
+        for fut in list(self._pending):  # a save still being written locally is restorable once it commits
+            if fut in self._pending:
+                wait_futures([fut])
+        tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
+        return _restore.restore(self, state, step, tiers, strict=strict)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step in any tier (committed = manifest present; restore verifies)."""
+        steps = [s.step for s in self.steps() if s.local or s.remote]
+        return max(steps) if steps else None
+
+    def steps(self) -> list[StepInfo]:
+        """Every step known in either tier, with where it is and its state."""
+        return list_steps(self.local, self.remote, self._uploaded_remote, self._uploads_in_flight())
+
+    def _uploads_in_flight(self) -> set[int]:
+        with self._uploads.mutex:
+            return {item[0] for item in self._uploads.queue if item is not None}
+
+    def records(self) -> list[SaveRecord]:
+        """Records of this manager's saves, oldest first."""
+        return list(self._records)
+
+    def _write_record(self, handle: SaveHandle) -> None:
+        rec = handle.record()
+        self._records.append(rec)
+        if not self.options.log_records:
+            return
+        try:
+            with open(os.path.join(self.local.root, layout.RECORDS_FILE), "a") as f:
+                f.write(rec.to_json() + "\n")
+        except OSError as exc:
+            log.warning("tier local: cannot append to %s: %s", layout.RECORDS_FILE, exc)
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def _lock(self) -> int:
+        path = os.path.join(self.local.root, layout.lock_name(self.rank))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointLockedError(
+                f"another CheckpointManager (rank {self.rank}) is using this folder", tier="local", path=path) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed", path=self.local.url)
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Wait for pending work, stop the background threads and release the folder. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout)
+        finally:
+            self._closed = True
+            self._uploads.put(None)
+            if self._upload_thread is not None:
+                self._upload_thread.join(timeout=timeout)
+            self._persist.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            self._pool.close()
+            if self.remote is not None:
+                self.remote.close()
+            self._unlock()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # do not mask the training loop's exception
+            log.error("closing the checkpoint manager after an error also failed: %s", close_exc)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) is False and getattr(self, "_lock_fd", -1) >= 0:
+            try:
+                self._unlock()
+            except Exception:
+                pass
+
+
+def _delete_step(store: Any, step: int) -> None:
+    """Decommit (manifest first) then remove a step folder."""
+    from .storage.base import join
+
+    folder = layout.step_dir(step)
+    store.remove(join(folder, layout.STEP_MANIFEST))
+    store.remove(folder)
+    log.info("tier %s: retention removed step %d from %s", store.tier, step, store.url)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if type(rank) is not int or type(world_size) is not int or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"bad rank/world_size: {rank!r}/{world_size!r}")
+    return rank, world_size

@@ -1,0 +1,61 @@
+"""The manager's keyword-only options, validated once with messages that name the option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Options:
+    keep_local: int = 2
+    keep_remote: int | None = None
+    keep_every: int | None = None
+    writer_threads: int = 2
+    staging_buffers: int = 1
+    file_size_mb: int = 512
+    upload_threads: int = 4
+    upload_bandwidth_mbps: float | None = None
+    upload_deadline_s: float | None = 3600.0
+    upload_part_mb: int = 64
+    remote_compression: str | None = None
+    verify_uploads: bool = False
+    cache_remote_restores: bool = False
+    pin_memory: bool | None = None
+    log_records: bool = True
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {v!r}")
+
+        pos_int("keep_local")
+        pos_int("keep_remote", True)
+        pos_int("keep_every", True)
+        pos_int("writer_threads")
+        pos_int("staging_buffers")
+        pos_int("file_size_mb")
+        pos_int("upload_threads")
+        pos_int("upload_part_mb")
+        for name in ("upload_bandwidth_mbps", "upload_deadline_s"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{name} must be a positive number or None, got {v!r}")
+        if self.remote_compression not in (None, "zstd"):
+            raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
+        for name in ("verify_uploads", "cache_remote_restores", "log_records"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.pin_memory not in (None, True, False):
+            raise ValueError(f"pin_memory must be None (auto), True or False, got {self.pin_memory!r}")
+
+
+def check_storage_options(storage_options: Any) -> dict[str, Any] | None:
+    if storage_options is None:
+        return None
+    if not isinstance(storage_options, dict):
+        raise ValueError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+    return dict(storage_options)

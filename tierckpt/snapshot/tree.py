@@ -1,0 +1,472 @@
+"""A state mapping <-> a JSON tree with explicit type tags, plus the tensors it holds.
+
+Encoding (``flatten``): JSON null/bool/int/str/list stand for themselves; everything else is a one-key object whose key
+is a tag: ``$float`` (``float.hex()``, exact incl. inf/nan/-0.0), ``$bytes`` (base64), ``$tuple``, ``$dict`` and
+``$odict`` (lists of ``[key, value]`` pairs, so int and tuple keys survive), ``$set``, ``$tensor`` / ``$ndarray`` /
+``$npscalar`` / ``$generator`` (an index into the tensor table), ``$stateful`` (an object restored through
+``load_state_dict``), ``$dtype``, ``$device``, ``$size``. Decoding accepts exactly these tags, checks every index, and
+never evaluates or imports anything named in the tree.
+
+Invariants:
+- flattening reads the state and never mutates it, and never touches an RNG;
+- the same tensor memory reached through several keys (tied parameters) is stored once and referenced twice;
+- restoring is two-phase: :func:`plan_restore` checks every key, shape and dtype against the live state and raises
+  :class:`StateMismatchError` before anything is changed; :meth:`RestorePlan.apply` then mutates the state.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError, StateMismatchError
+from ..format.manifest import TensorRecord
+from ..format.plan import LeafSpec
+from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
+
+#: Trees deeper than this are refused when decoding (a hostile manifest could otherwise exhaust the stack).
+MAX_DEPTH = 200
+
+
+@dataclass
+class Leaf:
+    path: str
+    name: str
+    value: torch.Tensor | np.ndarray
+    kind: str  # "torch" | "numpy"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def spec(self) -> LeafSpec:
+        return LeafSpec(self.name, self.dtype, self.shape, self.nbytes)
+
+
+@dataclass
+class FlatState:
+    tree: Any
+    leaves: list[Leaf]
+    stateful_paths: list[str] = field(default_factory=list)
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, (torch.Tensor, type))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _key_repr(key: Any) -> str:
+    return f"[{key!r}]"
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.names: set[str] = set()
+        self.seen: dict[tuple, int] = {}
+        self.stateful: list[str] = []
+
+    def leaf_name(self, parts: list[str]) -> str:
+        base = ".".join(parts) or "tensor"
+        name, n = base, 1
+        while name in self.names:
+            n += 1
+            name = f"{base}#{n}"
+        self.names.add(name)
+        return name
+
+    def add_tensor(self, t: torch.Tensor, path: str, parts: list[str]) -> int:
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise TypeError(f"cannot checkpoint {t.layout} / quantized / meta tensor at {path}")
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise TypeError(f"cannot checkpoint tensor subclass {type(t).__name__} at {path}")
+        code = TORCH_TO_CODE.get(t.dtype)
+        if code is None:
+            raise TypeError(f"cannot checkpoint tensor of dtype {t.dtype} at {path}")
+        key = None
+        if t.numel():
+            key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if key in self.seen:
+                return self.seen[key]
+        idx = len(self.leaves)
+        nbytes = t.numel() * t.element_size()
+        self.leaves.append(Leaf(path, self.leaf_name(parts), t.detach(), "torch", code, tuple(t.shape), nbytes))
+        if key is not None:
+            self.seen[key] = idx
+        return idx
+
+    def add_array(self, a: np.ndarray, path: str, parts: list[str]) -> int:
+        code = NUMPY_TO_CODE.get(a.dtype.newbyteorder("=")) if a.dtype.byteorder not in ("|", "=") else NUMPY_TO_CODE.get(a.dtype)
+        if code is None:
+            raise TypeError(f"cannot checkpoint numpy array of dtype {a.dtype} at {path}")
+        idx = len(self.leaves)
+        self.leaves.append(Leaf(path, self.leaf_name(parts), a, "numpy", code, tuple(a.shape), a.size * a.dtype.itemsize))
+        return idx
+
+    def encode(self, obj: Any, path: str, parts: list[str], depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return {"$float": float(obj).hex()}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(obj)).decode()}
+        if isinstance(obj, torch.Tensor):
+            return {"$tensor": self.add_tensor(obj, path, parts)}
+        if isinstance(obj, np.ndarray):
+            return {"$ndarray": self.add_array(obj, path, parts)}
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return {"$npscalar": self.add_array(np.asarray(obj), path, parts)}
+        if isinstance(obj, torch.Generator):
+            return {"$generator": self.add_tensor(obj.get_state(), path, parts), "device": str(obj.device)}
+        if isinstance(obj, torch.dtype):
+            return {"$dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"$device": str(obj)}
+        if isinstance(obj, torch.Size):
+            return {"$size": list(obj)}
+        if isinstance(obj, Mapping):
+            items = []
+            for k, v in obj.items():
+                if not (k is None or isinstance(k, (bool, int, float, str, tuple))):
+                    raise TypeError(f"cannot checkpoint dict key of type {type(k).__name__} at {path}")
+                items.append([self.encode(k, path, parts, depth + 1), self.encode(v, path + _key_repr(k), parts + [str(k)], depth + 1)])
+            return {"$odict" if isinstance(obj, collections.OrderedDict) else "$dict": items}
+        if isinstance(obj, list):
+            return [self.encode(v, f"{path}[{i}]", parts + [str(i)], depth + 1) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return {"$tuple": [self.encode(v, f"{path}[{i}]", parts + [str(i)], depth + 1) for i, v in enumerate(obj)]}
+        if isinstance(obj, (set, frozenset)):
+            return {"$set": [self.encode(v, path, parts, depth + 1) for v in obj]}
+        if is_stateful(obj):
+            self.stateful.append(path)
+            try:
+                sd = obj.state_dict()
+            except Exception as exc:
+                raise TypeError(f"{type(obj).__name__}.state_dict() failed at {path}: {exc}") from exc
+            return {"$stateful": self.encode(sd, path, parts, depth + 1), "type": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+        raise TypeError(
+            f"cannot checkpoint a value of type {type(obj).__module__}.{type(obj).__qualname__} at {path}: "
+            "supported are tensors, numpy arrays, objects with state_dict()/load_state_dict(), and nested "
+            "dict/list/tuple of those and of int, float, str, bool, None, bytes"
+        )
+
+
+def flatten(state: Mapping[str, Any]) -> FlatState:
+    """Encode ``state`` (read-only). Raises ``TypeError`` naming the key path of anything that cannot be stored."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    f = _Flattener()
+    try:
+        tree = f.encode(state, "state", [])
+    except RecursionError:
+        raise TypeError("state is too deeply nested or contains a reference cycle") from None
+    return FlatState(tree, f.leaves, f.stateful)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding and in-place restore
+
+
+TensorSource = Callable[[int], torch.Tensor]
+
+
+class _Decoder:
+    """Turns tree nodes into Python values. ``tensor(i)`` returns a view of loaded bytes (not owned)."""
+
+    def __init__(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None) -> None:
+        self.records = records
+        self.tensor = tensor
+        self.step = step
+
+    def bad(self, msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"malformed state tree: {msg}", step=self.step)
+
+    def index(self, node: dict, tag: str, kind: str) -> int:
+        i = node[tag]
+        if type(i) is not int or not 0 <= i < len(self.records) or self.records[i].kind != kind:
+            raise self.bad(f"bad {tag} reference {i!r}")
+        return i
+
+    def decode(self, node: Any, *, own: bool, depth: int = 0) -> Any:
+        """``own``: copy tensors out of the loading buffers (for values the caller keeps)."""
+        if depth > MAX_DEPTH:
+            raise self.bad(f"nested deeper than {MAX_DEPTH}")
+        if node is None or isinstance(node, (bool, str)):
+            return node
+        if isinstance(node, int):
+            return node
+        if isinstance(node, list):
+            return [self.decode(v, own=own, depth=depth + 1) for v in node]
+        if not isinstance(node, dict) or len(node) not in (1, 2):
+            raise self.bad(f"unexpected node {str(node)[:80]}")
+        tag = next(iter(node))
+        if tag == "$float":
+            try:
+                return float.fromhex(node[tag])
+            except (TypeError, ValueError):
+                raise self.bad(f"bad float {node[tag]!r}") from None
+        if tag == "$bytes":
+            try:
+                return base64.b64decode(node[tag], validate=True)
+            except (TypeError, ValueError):
+                raise self.bad("bad bytes") from None
+        if tag in ("$dict", "$odict"):
+            items = node[tag]
+            if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+                raise self.bad("bad dict")
+            cls = collections.OrderedDict if tag == "$odict" else dict
+            out = cls()
+            for k, v in items:
+                key = self.decode(k, own=True, depth=depth + 1)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise self.bad("unhashable dict key") from None
+                out[key] = self.decode(v, own=own, depth=depth + 1)
+            return out
+        if tag in ("$tuple", "$set"):
+            if not isinstance(node[tag], list):
+                raise self.bad(f"bad {tag}")
+            vals = [self.decode(v, own=own, depth=depth + 1) for v in node[tag]]
+            return tuple(vals) if tag == "$tuple" else set(vals)
+        if tag == "$tensor":
+            t = self.tensor(self.index(node, tag, "torch"))
+            return t.clone() if own else t
+        if tag in ("$ndarray", "$npscalar"):
+            arr = self.array(self.index(node, tag, "numpy"))
+            return arr[()] if tag == "$npscalar" else arr
+        if tag == "$generator":
+            g = torch.Generator(device=node.get("device", "cpu")) if node.get("device", "cpu") == "cpu" else None
+            state = self.tensor(self.index(node, tag, "torch")).clone()
+            if g is None:
+                return state
+            g.set_state(state)
+            return g
+        if tag == "$dtype":
+            dt = getattr(torch, str(node[tag]), None)
+            if not isinstance(dt, torch.dtype):
+                raise self.bad(f"unknown dtype {node[tag]!r}")
+            return dt
+        if tag == "$device":
+            try:
+                return torch.device(str(node[tag]))
+            except RuntimeError:
+                raise self.bad(f"bad device {node[tag]!r}") from None
+        if tag == "$size":
+            if not isinstance(node[tag], list) or not all(type(d) is int for d in node[tag]):
+                raise self.bad("bad size")
+            return torch.Size(node[tag])
+        if tag == "$stateful":
+            return self.decode(node[tag], own=own, depth=depth + 1)
+        raise self.bad(f"unknown tag {tag!r}")
+
+    def array(self, i: int) -> np.ndarray:
+        rec = self.records[i]
+        raw = self.tensor(i)  # uint8 bytes of the leaf, as loaded
+        return raw.numpy().view(CODE_TO_NUMPY[rec.dtype]).reshape(rec.shape).copy()
+
+
+@dataclass
+class RestorePlan:
+    """Checked actions, applied only after the checkpoint's bytes are loaded and verified."""
+
+    actions: list[Callable[[_Decoder], None]] = field(default_factory=list)
+
+    def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None) -> None:
+        dec = _Decoder(records, tensor, step=step)
+        for action in self.actions:
+            action(dec)
+
+
+def _mismatch(msg: str, path: str, step: int | None) -> StateMismatchError:
+    return StateMismatchError(f"{msg} at {path}", step=step)
+
+
+def _is_tag(node: Any, tag: str) -> bool:
+    return isinstance(node, dict) and tag in node
+
+
+def plan_restore(
+    state: MutableMapping[str, Any], tree: Any, records: tuple[TensorRecord, ...], *, strict: bool, step: int | None
+) -> RestorePlan:
+    """Check ``tree`` against the live ``state`` and return the actions that load it in place."""
+    if not isinstance(state, MutableMapping):
+        raise TypeError(f"state must be a mutable mapping, got {type(state).__name__}")
+    if not _is_tag(tree, "$dict") and not _is_tag(tree, "$odict"):
+        raise CorruptCheckpointError("malformed state tree: root is not a mapping", step=step)
+    plan = RestorePlan()
+    checker = _Checker(records, strict, step, plan)
+    checker.mapping(state, tree, "state", 0)
+    return plan
+
+
+class _Checker:
+    def __init__(self, records: tuple[TensorRecord, ...], strict: bool, step: int | None, plan: RestorePlan) -> None:
+        self.records, self.strict, self.step, self.plan = records, strict, step, plan
+
+    def record(self, node: dict, tag: str, kind: str, path: str) -> TensorRecord:
+        i = node[tag]
+        if type(i) is not int or not 0 <= i < len(self.records) or self.records[i].kind != kind:
+            raise CorruptCheckpointError(f"malformed state tree: bad tensor reference at {path}", step=self.step)
+        return self.records[i]
+
+    def mapping(self, cur: MutableMapping, node: dict, path: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError("malformed state tree: too deep", step=self.step)
+        tag = "$dict" if "$dict" in node else "$odict"
+        pairs = node[tag]
+        if not isinstance(pairs, list):
+            raise CorruptCheckpointError(f"malformed state tree at {path}", step=self.step)
+        saved_keys = []
+        for pair in pairs:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise CorruptCheckpointError(f"malformed state tree at {path}", step=self.step)
+            key = _Decoder(self.records, _no_tensor, step=self.step).decode(pair[0], own=True)
+            saved_keys.append(key)
+            sub = f"{path}[{key!r}]"
+            if key not in cur:
+                if self.strict:
+                    raise _mismatch("unexpected key in checkpoint (not in the state; strict=False allows it)", sub, self.step)
+                self.plan.actions.append(_setter(cur, key, pair[1]))
+                continue
+            self.value(cur, key, pair[1], sub, depth + 1)
+        if self.strict:
+            missing = [k for k in cur if k not in set(saved_keys)]
+            if missing:
+                raise _mismatch(f"key {missing[0]!r} missing from the checkpoint (strict=False allows it)", path, self.step)
+
+    def value(self, parent: Any, key: Any, node: Any, path: str, depth: int) -> None:
+        cur = parent[key]
+        if _is_tag(node, "$stateful"):
+            if not is_stateful(cur):
+                raise _mismatch(f"checkpoint holds an object with state_dict() but the state has {type(cur).__name__}", path, self.step)
+            self.stateful(cur, node["$stateful"], path)
+        elif _is_tag(node, "$tensor"):
+            rec = self.record(node, "$tensor", "torch", path)
+            if not isinstance(cur, torch.Tensor):
+                raise _mismatch(f"checkpoint holds a tensor but the state has {type(cur).__name__}", path, self.step)
+            self.check_tensor(cur, rec, path)
+            self.plan.actions.append(_copier(cur, node["$tensor"]))
+        elif isinstance(cur, torch.Tensor):
+            raise _mismatch("state holds a tensor but the checkpoint does not", path, self.step)
+        elif _is_tag(node, "$ndarray") and isinstance(cur, np.ndarray) and cur.flags.writeable:
+            rec = self.record(node, "$ndarray", "numpy", path)
+            if tuple(cur.shape) != rec.shape or NUMPY_TO_CODE.get(cur.dtype) != rec.dtype:
+                raise _mismatch(
+                    f"numpy array mismatch: checkpoint {rec.dtype}{list(rec.shape)}, state {cur.dtype}{list(cur.shape)}", path, self.step
+                )
+            self.plan.actions.append(_np_copier(cur, node["$ndarray"]))
+        elif _is_tag(node, "$generator") and isinstance(cur, torch.Generator):
+            self.record(node, "$generator", "torch", path)
+            self.plan.actions.append(_gen_setter(cur, node["$generator"]))
+        elif (_is_tag(node, "$dict") or _is_tag(node, "$odict")) and isinstance(cur, MutableMapping):
+            self.mapping(cur, node, path, depth)
+        elif isinstance(node, list) and isinstance(cur, list) and len(cur) == len(node):
+            for i, sub in enumerate(node):
+                self.value(cur, i, sub, f"{path}[{i}]", depth + 1)
+        else:
+            self.plan.actions.append(_setter(parent, key, node))
+
+    def stateful(self, obj: Any, node: Any, path: str) -> None:
+        if isinstance(obj, torch.nn.Module):
+            live = obj.state_dict()
+            saved = self.module_entries(node, path)
+            if self.strict:
+                extra = [k for k in saved if k not in live]
+                if extra:
+                    raise _mismatch(f"unexpected key {extra[0]!r} in checkpoint for module", path, self.step)
+                missing = [k for k in live if k not in saved]
+                if missing:
+                    raise _mismatch(f"key {missing[0]!r} of module missing from checkpoint", path, self.step)
+            for k, rec in saved.items():
+                if k in live and isinstance(live[k], torch.Tensor) and rec is not None:
+                    self.check_tensor(live[k], rec, f"{path}[{k!r}]")
+            strict = self.strict
+            self.plan.actions.append(lambda dec: _load_module(obj, dec.decode(node, own=False), strict, path, dec.step))
+        else:
+            self.plan.actions.append(lambda dec: _load_object(obj, dec.decode(node, own=True), path, dec.step))
+
+    def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | None]:
+        if not (_is_tag(node, "$dict") or _is_tag(node, "$odict")):
+            raise CorruptCheckpointError(f"malformed state tree: module state at {path} is not a mapping", step=self.step)
+        out: dict[str, TensorRecord | None] = {}
+        for pair in node.get("$dict", node.get("$odict")):
+            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
+                raise CorruptCheckpointError(f"malformed module state at {path}", step=self.step)
+            k, v = pair
+            out[k] = self.record(v, "$tensor", "torch", path) if _is_tag(v, "$tensor") else None
+        return out
+
+    def check_tensor(self, cur: torch.Tensor, rec: TensorRecord, path: str) -> None:
+        if tuple(cur.shape) != rec.shape:
+            raise _mismatch(f"shape mismatch: checkpoint {list(rec.shape)}, state {list(cur.shape)}", path, self.step)
+        if TORCH_TO_CODE.get(cur.dtype) != rec.dtype:
+            raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH.get(rec.dtype)}, state {cur.dtype}", path, self.step)
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise CorruptCheckpointError("malformed state tree: tensor used as a dict key")
+
+
+def _copier(dst: torch.Tensor, i: int) -> Callable[[_Decoder], None]:
+    def run(dec: _Decoder) -> None:
+        with torch.no_grad():
+            dst.copy_(dec.tensor(i))
+
+    return run
+
+
+def _np_copier(dst: np.ndarray, i: int) -> Callable[[_Decoder], None]:
+    return lambda dec: np.copyto(dst, dec.array(i))
+
+
+def _gen_setter(gen: torch.Generator, i: int) -> Callable[[_Decoder], None]:
+    return lambda dec: gen.set_state(dec.tensor(i).clone())
+
+
+def _setter(parent: Any, key: Any, node: Any) -> Callable[[_Decoder], None]:
+    def run(dec: _Decoder) -> None:
+        parent[key] = dec.decode(node, own=True)
+
+    return run
+
+
+def _load_module(module: torch.nn.Module, sd: Any, strict: bool, path: str, step: int | None) -> None:
+    try:
+        module.load_state_dict(sd, strict=strict)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise StateMismatchError(f"load_state_dict failed at {path}: {exc}", step=step) from exc
+
+
+def _load_object(obj: Any, sd: Any, path: str, step: int | None) -> None:
+    try:
+        obj.load_state_dict(sd)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise StateMismatchError(f"{type(obj).__name__}.load_state_dict failed at {path}: {exc}", step=step) from exc
+
+
+def tensor_view_factory(records: tuple[TensorRecord, ...], raw: Callable[[int], torch.Tensor]) -> TensorSource:
+    """Typed, shaped views over each leaf's loaded bytes."""
+
+    def get(i: int) -> torch.Tensor:
+        rec = records[i]
+        if rec.kind == "numpy":
+            return raw(i)
+        if rec.nbytes == 0:
+            return torch.empty(rec.shape, dtype=CODE_TO_TORCH[rec.dtype])
+        return raw(i).view(CODE_TO_TORCH[rec.dtype]).view(rec.shape)
+
+    return get
+

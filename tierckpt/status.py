@@ -1,0 +1,54 @@
+"""Where each step is: the view behind ``CheckpointManager.steps()`` and ``tierckpt ls``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .format import layout
+from .storage.base import Store
+from .storage.commit import read_step_manifest
+from .tiers.verify import list_root
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    local: bool
+    remote: bool
+    #: "local", "remote", "local+remote", "uploading" (local, upload queued or running), "failed" (manifest unreadable)
+    state: str
+    bytes: int | None
+    created: float | None
+
+
+def list_steps(local: Store, remote: Store | None, uploaded: set[int], uploading: set[int]) -> list[StepInfo]:
+    loc = list_root(local).steps
+    rem: dict[int, str] = {}
+    if remote is not None:
+        try:
+            rem = list_root(remote).steps
+        except OSError as exc:
+            log.warning("tier remote: cannot list %s: %s", remote.url, exc)
+    out = []
+    for step in sorted(set(loc) | set(rem)):
+        store = local if step in loc else remote
+        assert store is not None
+        try:
+            m = read_step_manifest(store, layout.step_dir(step), step)
+            size, created = (m.total_bytes, m.created) if m else (None, None)
+            broken = m is None
+        except Exception:
+            size, created, broken = None, None, True
+        if broken:
+            state = "failed"
+        elif step in loc and step in rem:
+            state = "local+remote"
+        elif step in loc and remote is not None and step in uploading:
+            state = "uploading"
+        else:
+            state = "local" if step in loc else "remote"
+        out.append(StepInfo(step, step in loc, step in rem, state, size, created))
+    return out

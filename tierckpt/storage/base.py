@@ -1,0 +1,137 @@
+"""The storage interface every tier goes through.
+
+A :class:`Store` is a root folder holding step folders that hold files; paths are relative, ``/``-separated, and
+never contain ``..`` (:func:`join` checks). Stores describe what they can do with capability flags, and callers branch
+on those flags, never on the store's type:
+
+- ``atomic_rename``: a folder can be renamed atomically (POSIX). Steps are then written into a temporary folder and
+  renamed into place; otherwise (object stores) they are written in place and ``manifest.json`` written last commits.
+- ``local_path``: the root is a local POSIX path, so callers may use OS calls (``preadv``, ``O_DIRECT``) directly.
+- ``parallel_writes``: concurrent writers to different files are worth it.
+
+Writing a step (see :mod:`.commit` for the exact order): ``makedirs`` → per data file ``open_write`` / ``write`` /
+``close`` → ``write_bytes`` of each rank manifest → ``write_bytes`` of ``manifest.json`` → commit protocol.
+``WriteStream.close()`` and ``write_bytes`` return only once the bytes are durable on that store (fsync on POSIX, a
+completed PUT / multipart completion on object stores).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from ..errors import CheckpointError
+
+
+def join(*parts: str) -> str:
+    """Join relative path parts, refusing anything that could leave the root."""
+    out: list[str] = []
+    for part in parts:
+        for comp in part.split("/"):
+            if comp in ("", "."):
+                continue
+            if comp == ".." or "\\" in comp or "\x00" in comp:
+                raise CheckpointError(f"refusing unsafe path component {comp!r}", path="/".join(parts))
+            out.append(comp)
+    return "/".join(out)
+
+
+class WriteStream(abc.ABC):
+    """One file being written. ``close()`` makes it durable; ``abort()`` discards it."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> WriteStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Store(abc.ABC):
+    """A tier's root folder. See the module docstring for the contract."""
+
+    #: Human-readable location, for messages (a path or URL; never credentials).
+    url: str
+    #: Name of the tier this store serves ("local", "remote"), for messages.
+    tier: str = "?"
+    atomic_rename: bool = False
+    local_path: str | None = None
+    parallel_writes: bool = True
+
+    # --- listing and reading -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def list(self, rel: str = "") -> list[str]:
+        """Names directly inside folder ``rel`` (empty list if it does not exist)."""
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int:
+        """Size of file ``rel`` in bytes; ``FileNotFoundError`` if missing."""
+
+    @abc.abstractmethod
+    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
+        """The whole (small) file; ``CheckpointError`` if it is larger than ``max_size``."""
+
+    @abc.abstractmethod
+    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at end of file)."""
+
+    @abc.abstractmethod
+    def open_read(self, rel: str) -> BinaryIO:
+        """A sequential binary reader (``read(n)``/``readinto``), for streaming verification and copies."""
+
+    def iter_chunks(self, rel: str, chunk: int, *, start: int = 0, length: int | None = None) -> Iterator[bytes]:
+        """Sequential chunks of a file, ``chunk`` bytes at most each."""
+        with self.open_read(rel) as f:
+            if start:
+                f.seek(start)
+            left = length
+            while left is None or left > 0:
+                n = chunk if left is None else min(chunk, left)
+                data = f.read(n)
+                if not data:
+                    return
+                if left is not None:
+                    left -= len(data)
+                yield data
+
+    # --- writing -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def makedirs(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
+    def open_write(self, rel: str, *, size_hint: int | None = None) -> WriteStream:
+        """A new file (an old one of that name is replaced). ``size_hint`` lets a store reserve space up front,
+        so that a full disk fails before any byte is written."""
+
+    @abc.abstractmethod
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a whole small file durably."""
+
+    @abc.abstractmethod
+    def remove(self, rel: str) -> None:
+        """Remove a file or a folder tree; missing is fine."""
+
+    def replace_dir(self, src: str, dst: str) -> None:
+        """Atomically make folder ``src`` appear as ``dst`` (replacing an old ``dst``); ``atomic_rename`` only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename folders atomically")
+
+    def sync_dir(self, rel: str) -> None:  # noqa: B027 - optional hook
+        """Make the folder's entries durable (POSIX fsync of the directory); a no-op where it means nothing."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and threads."""

@@ -1,0 +1,343 @@
+"""Stores on anything fsspec reaches: object stores (``s3://``, ``gs://``, ``az://``), ``memory://``, and the rest.
+
+Invariants and choices:
+
+- ``atomic_rename`` is False: object stores cannot rename a folder atomically, so steps are committed with
+  :class:`~tierckpt.storage.commit.ManifestLastCommit` (data first, ``manifest.json`` last; a whole-object PUT is
+  atomic on S3/GCS/Azure). ``local_path`` is None: callers never bypass the store with OS calls.
+- Folders are implicit on object stores: ``makedirs`` may create nothing, a folder "exists" once a file is in it,
+  and :meth:`FsspecStore.list` of a missing folder is an empty list.
+- ``open_write`` streams: bytes are buffered up to ``part_size`` and sent as parts (s3fs turns a file larger than one
+  part into a multipart upload). ``close()`` returns once the object is complete (the final PUT or the multipart
+  completion); ``abort()`` discards the upload (``discard()`` aborts an S3 multipart upload) and removes whatever
+  became visible, so an aborted file never lingers under its name.
+- Reads are stateless ranged reads (``cat_file(path, start=, end=)``), so any number of threads may read the same
+  file at once (fsspec's ``memory://`` hands every opener the same file object, which is not thread-safe).
+- Listings are never served from a cache (``use_listings_cache=False``, a fresh filesystem instance per store, and
+  invalidation after every write), so a commit made by another process is seen at once.
+- Messages and logs show :attr:`FsspecStore.url` only: the URL without any ``user:password@`` part, and never the
+  ``storage_options`` (they may hold keys).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import re
+from typing import Any, BinaryIO
+
+from ..errors import CheckpointError, StorageError
+from .base import Store, WriteStream, join
+
+log = logging.getLogger(__name__)
+
+#: Bytes buffered per part of a streamed upload. S3 wants >= 5 MiB per part (except the last) and at most 10,000
+#: parts, so 16 MiB allows objects up to ~156 GiB; raise it for bigger files.
+DEFAULT_PART_SIZE = 16 << 20
+#: Seconds one request may take (connect + read) where the backend lets us set it (s3fs).
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+
+#: URL scheme -> the package that implements it, for an actionable message when it is missing.
+_BACKEND_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "hf": "huggingface_hub",
+    "oci": "ocifs",
+    "hdfs": "pyarrow",
+    "webhdfs": "fsspec",
+    "sftp": "paramiko",
+    "ssh": "paramiko",
+}
+
+_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
+
+
+def redact_url(url: str) -> str:
+    """The URL without a ``user:secret@`` part, for messages and logs."""
+    return _USERINFO_RE.sub(r"\1", url)
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+class _FsspecWriteStream(WriteStream):
+    """One object being uploaded through an fsspec file opened for writing."""
+
+    def __init__(self, store: FsspecStore, rel: str, path: str) -> None:
+        self.store = store
+        self.rel = rel
+        self.path = path
+        self.f = store.fs.open(path, "wb", block_size=store.part_size)
+        self.written = 0
+        self.done = False
+
+    def write(self, data: memoryview | bytes) -> None:
+        if self.done:
+            raise StorageError("write to a closed upload", tier=self.store.tier, path=self.store.display(self.rel))
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.f.write(view)
+        self.written += len(view)
+
+    def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.f.close()  # the final part / the one-shot PUT / the multipart completion
+        except BaseException:
+            self._discard()
+            raise
+        finally:
+            self.store._invalidate(self.path)
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._discard()
+
+    def _discard(self) -> None:
+        f = self.f
+        discard = getattr(f, "discard", None)
+        try:
+            if callable(discard) and hasattr(f, "buffer"):
+                # fsspec buffered files (s3fs, gcsfs, adlfs): abort the multipart upload, drop the buffer, and mark
+                # the file closed so that neither close() nor __del__ ever completes the upload.
+                discard()
+                f.closed = True
+            else:
+                f.close()
+        except Exception as exc:  # the upload is being thrown away; a failure to discard it is only logged
+            log.warning("tier %s: discarding upload %s failed: %s", self.store.tier, self.store.display(self.rel), exc)
+        try:
+            self.store.fs.rm_file(self.path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            log.warning("tier %s: removing aborted %s failed: %s", self.store.tier, self.store.display(self.rel), exc)
+        self.store._invalidate(self.path)
+
+
+class _RangeReader(io.RawIOBase):
+    """A sequential, seekable reader made of ranged reads: thread-safe on every backend, no shared file object."""
+
+    def __init__(self, store: FsspecStore, rel: str) -> None:
+        super().__init__()
+        self.store = store
+        self.rel = rel
+        self.size = store.size(rel)  # FileNotFoundError now rather than on the first read
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if not len(view) or self.pos >= self.size:
+            return 0
+        n = self.store.readinto(self.rel, self.pos, view[: self.size - self.pos])
+        self.pos += n
+        return n
+
+
+class FsspecStore(Store):
+    """A tier's root on any fsspec filesystem; see the module docstring for the guarantees."""
+
+    atomic_rename = False
+    local_path = None
+    parallel_writes = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        tier: str = "remote",
+        fs: Any = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> None:
+        """Open ``url`` (e.g. ``s3://bucket/prefix``). ``storage_options`` go to the backend (credentials, endpoint);
+        ``fs`` supplies a ready filesystem instead (tests wrap one in a fault injector), ``url`` then only names the
+        root. ``request_timeout_s`` bounds each request where the backend supports it (s3fs: connect and read)."""
+        self.tier = tier
+        self.url = redact_url(url).rstrip("/")
+        self.part_size = int(part_size)
+        if self.part_size <= 0:
+            raise CheckpointError(f"part_size must be positive, got {part_size}", tier=tier, path=self.url)
+        scheme = _scheme(url)
+        if fs is None:
+            fs, root = self._connect(url, scheme, dict(storage_options or {}), request_timeout_s)
+        else:
+            root = fs._strip_protocol(url)
+        self.fs = fs
+        self.scheme = scheme
+        root = root.rstrip("/")
+        self.root = root if root else getattr(fs, "root_marker", "")
+        if not self.root or self.root in ("/", ""):
+            # refusing a bare bucket-less root keeps remove() and recover() away from a whole file system
+            raise CheckpointError("a remote tier needs a folder, not the file system's root", tier=tier, path=self.url)
+
+    def _connect(
+        self, url: str, scheme: str, options: dict[str, Any], request_timeout_s: float | None
+    ) -> tuple[Any, str]:
+        try:
+            import fsspec.core
+        except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+            raise StorageError("remote tiers need fsspec: pip install fsspec", tier=self.tier, path=self.url) from exc
+        options.setdefault("skip_instance_cache", True)
+        options.setdefault("use_listings_cache", False)
+        if scheme in ("s3", "s3a") and request_timeout_s:
+            cfg = dict(options.get("config_kwargs") or {})
+            cfg.setdefault("connect_timeout", min(10.0, request_timeout_s))
+            cfg.setdefault("read_timeout", request_timeout_s)
+            options["config_kwargs"] = cfg
+        try:
+            return fsspec.core.url_to_fs(url, **options)
+        except ImportError as exc:
+            pkg = _BACKEND_PACKAGES.get(scheme, f"the fsspec backend for {scheme}://")
+            raise StorageError(f"{scheme}:// needs {pkg}: pip install {pkg}", tier=self.tier, path=self.url) from exc
+        except ValueError as exc:
+            # "Protocol not known" and bad options; the message may echo options, so it is not included
+            raise StorageError(
+                f"cannot open {scheme}:// ({type(exc).__name__}); check the URL and storage_options",
+                tier=self.tier,
+                path=self.url,
+            ) from None
+
+    # --- paths -------------------------------------------------------------------------------------------------
+    def _p(self, rel: str) -> str:
+        rel = join(rel)
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def display(self, rel: str) -> str:
+        """The URL of ``rel`` for messages."""
+        rel = join(rel)
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def _invalidate(self, path: str) -> None:
+        try:
+            self.fs.invalidate_cache(path)
+            self.fs.invalidate_cache(self.fs._parent(path))
+        except Exception:  # pragma: no cover - a cache that cannot be invalidated is only a missed optimisation
+            pass
+
+    def _cat(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file, short at its end (S3 refuses a range that starts at or past EOF)."""
+        try:
+            return self.fs.cat_file(path, start=start, end=end)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) or exc.errno != errno.EINVAL:
+                raise
+            if start >= self.fs.size(path):
+                return b""
+            raise
+
+    # --- listing and reading -----------------------------------------------------------------------------------
+    def list(self, rel: str = "") -> list[str]:
+        p = self._p(rel)
+        try:
+            entries = self.fs.ls(p, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = set()
+        for e in entries:
+            name = (e["name"] if isinstance(e, dict) else str(e)).rstrip("/")
+            if name == p or name.lstrip("/") == p.lstrip("/"):
+                continue  # ls of a file lists the file itself
+            names.add(name.rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self._p(rel)))
+
+    def size(self, rel: str) -> int:
+        info = self.fs.info(self._p(rel))
+        if info.get("type") == "directory":
+            raise IsADirectoryError(errno.EISDIR, "is a folder", self.display(rel))
+        return int(info["size"])
+
+    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
+        data = self._cat(self._p(rel), 0, max_size + 1)
+        if len(data) > max_size:
+            raise CheckpointError(f"file is more than the {max_size} bytes allowed", tier=self.tier, path=self.display(rel))
+        return bytes(data)
+
+    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
+        view = memoryview(buf).cast("B")
+        if not len(view):
+            return 0
+        data = self._cat(self._p(rel), offset, offset + len(view))
+        n = min(len(data), len(view))
+        view[:n] = data[:n]
+        return n
+
+    def open_read(self, rel: str) -> BinaryIO:
+        return io.BufferedReader(_RangeReader(self, rel), buffer_size=min(self.part_size, 8 << 20))  # type: ignore[return-value]
+
+    # --- writing -----------------------------------------------------------------------------------------------
+    def makedirs(self, rel: str) -> None:
+        try:
+            self.fs.makedirs(self._p(rel), exist_ok=True)
+        except FileExistsError:
+            pass
+
+    def open_write(self, rel: str, *, size_hint: int | None = None) -> WriteStream:
+        p = self._p(rel)
+        log.debug("tier %s: upload %s (%s bytes expected)", self.tier, self.display(rel), size_hint)
+        return _FsspecWriteStream(self, rel, p)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        p = self._p(rel)
+        try:
+            self.fs.pipe_file(p, bytes(data))
+        finally:
+            self._invalidate(p)
+
+    def remove(self, rel: str) -> None:
+        if not join(rel):
+            raise CheckpointError("refusing to remove the root of a tier", tier=self.tier, path=self.url)
+        p = self._p(rel)
+        try:
+            self.fs.rm(p, recursive=True)
+        except FileNotFoundError:
+            pass
+        finally:
+            self._invalidate(p)
+
+    def close(self) -> None:
+        self.fs = _Closed(self.url)
+
+    def __repr__(self) -> str:
+        return f"FsspecStore({self.url!r}, tier={self.tier!r})"
+
+
+class _Closed:
+    """Stands in for the filesystem after :meth:`FsspecStore.close`, so a late call fails clearly."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def __getattr__(self, name: str) -> Any:
+        raise StorageError("store is closed", path=self._url)

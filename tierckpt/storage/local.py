@@ -1,0 +1,222 @@
+"""POSIX folders through the OS: the local (NVMe) tier, and remotes given as a path or ``file://`` URL.
+
+Durability: every file is ``fsync``-ed before its ``close()`` returns, and folders are ``fsync``-ed after entries
+are added or renamed (:meth:`LocalStore.sync_dir`). Space is reserved with ``posix_fallocate`` when the size is
+known, so a full disk fails at the start of a file rather than in the middle.
+
+Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it (Linux >= 3.15,
+glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at a complete
+checkpoint. Elsewhere the old folder is first renamed to a ``.trash-`` name and the new one renamed into place; a crash
+between the two leaves the complete new folder under its ``.tmp-`` name, which start-up recovery renames into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import shutil
+from typing import BinaryIO
+
+from ..errors import CheckpointError, StorageError
+from ..format import layout
+from .base import Store, WriteStream, join
+
+log = logging.getLogger(__name__)
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _load_renameat2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths; False where the platform cannot."""
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte is written (short writes happen on signals and some file systems)."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.write(fd, view)
+        if n <= 0:  # pragma: no cover - a POSIX write never returns 0 for a non-empty buffer
+            raise OSError(errno.EIO, "write returned 0")
+        view = view[n:]
+
+
+class _LocalWriteStream(WriteStream):
+    def __init__(self, path: str, size_hint: int | None) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        if size_hint and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(self.fd, 0, size_hint)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    self.abort()
+                    raise
+                # EOPNOTSUPP on some file systems (tmpfs on old kernels, NFS): fine, write without it
+        self.written = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        write_all(self.fd, data if isinstance(data, memoryview) else memoryview(data))
+        self.written += len(data)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, self.written)  # in case fallocate reserved more than was written
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStore(Store):
+    """A folder on a POSIX file system."""
+
+    atomic_rename = True
+    parallel_writes = True
+
+    def __init__(self, root: str | os.PathLike[str], *, tier: str = "local", create: bool = True) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self.local_path = self.root
+        self.tier = tier
+        if create:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create folder: {exc}", tier=tier, path=self.root) from exc
+
+    def path(self, rel: str) -> str:
+        rel = join(rel)
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def list(self, rel: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(rel)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self.path(rel))
+
+    def isdir(self, rel: str) -> bool:
+        return os.path.isdir(self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return os.stat(self.path(rel)).st_size
+
+    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
+        p = self.path(rel)
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_size:
+                raise CheckpointError(f"file is {size} bytes, more than the {max_size} allowed", tier=self.tier, path=p)
+            return f.read(max_size + 1)
+
+    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
+        fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return pread_into(fd, offset, buf)
+        finally:
+            os.close(fd)
+
+    def open_read(self, rel: str) -> BinaryIO:
+        return open(self.path(rel), "rb", buffering=0)  # noqa: SIM115 - caller closes
+
+    def makedirs(self, rel: str) -> None:
+        os.makedirs(self.path(rel), exist_ok=True)
+
+    def open_write(self, rel: str, *, size_hint: int | None = None) -> WriteStream:
+        return _LocalWriteStream(self.path(rel), size_hint)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.open_write(rel, size_hint=len(data)) as w:
+            w.write(data)
+
+    def remove(self, rel: str) -> None:
+        p = self.path(rel)
+        if not rel:
+            raise CheckpointError("refusing to remove the root of a tier", tier=self.tier, path=p)
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+    def replace_dir(self, src: str, dst: str) -> None:
+        s, d = self.path(src), self.path(dst)
+        if not os.path.exists(d):
+            os.rename(s, d)
+            return
+        if exchange(s, d):
+            # ``s`` now holds the old folder: the new one is in place, so the old one may go.
+            self.sync_dir(os.path.dirname(join(dst)))
+            shutil.rmtree(s, ignore_errors=True)
+            return
+        trash = self.path(layout.trash_dir(os.path.basename(d)))
+        os.rename(d, trash)
+        os.rename(s, d)
+        self.sync_dir(os.path.dirname(join(dst)))
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def sync_dir(self, rel: str) -> None:
+        fsync_dir(self.path(rel))
+
+
+def pread_into(fd: int, offset: int, buf: memoryview) -> int:
+    """``preadv`` until ``buf`` is full or the file ends; returns the bytes read."""
+    view = memoryview(buf).cast("B")
+    total = 0
+    while len(view):
+        n = os.preadv(fd, [view], offset + total)
+        if n == 0:
+            break
+        total += n
+        view = view[n:]
+    return total

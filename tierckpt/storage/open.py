@@ -1,0 +1,36 @@
+"""Turning a user's path or URL into a :class:`~tierckpt.storage.base.Store` (the one seam for URL handling)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointError
+from .base import Store
+
+
+def is_url(target: str | os.PathLike[str]) -> bool:
+    s = os.fspath(target)
+    return "://" in s and not s.startswith("file://")
+
+
+def open_store(
+    target: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    tier: str = "remote",
+    create: bool = True,
+) -> Store:
+    """A plain path or ``file://`` URL opens a :class:`LocalStore` (fsync, atomic rename); any other URL goes through
+    fsspec, whose backend package is imported only then."""
+    s = os.fspath(target)
+    if not s:
+        raise CheckpointError("empty path or URL", tier=tier)
+    if not is_url(s):
+        from .local import LocalStore
+
+        path = s[len("file://") :] if s.startswith("file://") else s
+        return LocalStore(path, tier=tier, create=create)
+    from .fsspec_store import FsspecStore
+
+    return FsspecStore(s, storage_options=storage_options, tier=tier)

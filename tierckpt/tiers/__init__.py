@@ -1,0 +1,1 @@
+"""Tiers: moving snapshots between host memory, the local tier and the remote tier. Never imports torch."""

@@ -1,0 +1,175 @@
+"""Reading a committed step back: manifests first, then every byte verified as it is read.
+
+Invariants:
+- nothing is allocated before the files' real sizes (from the store) match the sizes the manifest claims, so a
+  hostile or damaged manifest cannot make us allocate more than what is actually on disk;
+- every byte that :func:`load_rank` hands back has been hashed and matched against the manifest; any mismatch raises
+  :class:`CorruptCheckpointError` naming the step, tier, file and tensor, before the caller touches its state;
+- all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format import hashing, layout
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..storage.base import Store, join
+from ..storage.commit import read_step_manifest
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class LoadedRank:
+    manifest: StepManifest
+    rank_manifest: RankManifest
+    #: each file's bytes, in manifest order (views into the caller's buffer)
+    files: tuple[memoryview, ...]
+    #: each file's start within the caller's buffer
+    offsets: tuple[int, ...]
+
+
+def read_manifests(store: Store, step: int, *, ranks: list[int] | None = None) -> tuple[StepManifest, list[RankManifest]]:
+    """The verified step manifest and the requested ranks' manifests (all ranks by default)."""
+    folder = layout.step_dir(step)
+    manifest = read_step_manifest(store, folder, step)
+    if manifest is None:
+        raise CheckpointNotFoundError("no committed checkpoint", step=step, tier=store.tier, path=f"{store.url}/{folder}")
+    out = []
+    for ref in manifest.ranks:
+        if ranks is not None and ref.rank not in ranks:
+            continue
+        rel = join(folder, ref.name)
+        where = f"{store.url}/{rel}"
+        try:
+            raw = store.read_bytes(rel, max_size=min(ref.size, MAX_MANIFEST_BYTES))
+        except FileNotFoundError:
+            raise CorruptCheckpointError("rank manifest missing", step=step, tier=store.tier, path=where, bad_files=[ref.name]) from None
+        except Exception as exc:
+            raise CorruptCheckpointError(f"rank manifest unreadable: {exc}", step=step, tier=store.tier, path=where,
+                                         bad_files=[ref.name]) from None
+        if len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum:
+            raise CorruptCheckpointError("rank manifest does not match manifest.json", step=step, tier=store.tier,
+                                         path=where, bad_files=[ref.name])
+        try:
+            rm = RankManifest.from_bytes(raw, step=step, path=where)
+        except CorruptCheckpointError as exc:
+            exc.bad_files.append(ref.name)
+            exc.tier = store.tier
+            raise
+        if rm.rank != ref.rank or rm.step != step or rm.world_size != manifest.world_size:
+            raise CorruptCheckpointError("rank manifest belongs to another step or rank", step=step, tier=store.tier,
+                                         path=where, bad_files=[ref.name])
+        out.append(rm)
+    return manifest, out
+
+
+def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
+    """Segment boundaries of a data file: the header, then each tensor's range in file order."""
+    f = rm.files[file_index]
+    ranges = sorted((t.offset, t.offset + t.nbytes) for t in rm.tensors if t.file == file_index)
+    ends = [f.data_start]
+    pos = f.data_start
+    for start, end in ranges:
+        if start != pos:
+            raise CorruptCheckpointError(f"tensor ranges of {f.name} leave a gap or overlap", step=rm.step, bad_files=[f.name])
+        ends.append(end)
+        pos = end
+    if pos != f.size:
+        raise CorruptCheckpointError(f"tensor ranges of {f.name} do not reach its end", step=rm.step, bad_files=[f.name])
+    return ends
+
+
+def check_sizes(store: Store, rm: RankManifest) -> None:
+    """Compare every file's size on the store with the manifest before anything is allocated."""
+    folder = layout.step_dir(rm.step)
+    for f in rm.files:
+        rel = join(folder, f.name)
+        try:
+            actual = store.size(rel)
+        except FileNotFoundError:
+            raise CorruptCheckpointError("data file missing", step=rm.step, tier=store.tier, path=f"{store.url}/{rel}",
+                                         bad_files=[f.name]) from None
+        want = f.stored_size if f.compression else f.size
+        if actual != want:
+            raise CorruptCheckpointError(f"data file is {actual} bytes, manifest says {want} (truncated or replaced)",
+                                         step=rm.step, tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
+
+
+def mismatch_error(store: Store, rm: RankManifest, index: int, digests: list[bytes]) -> CorruptCheckpointError:
+    f = rm.files[index]
+    folder = layout.step_dir(rm.step)
+    tensors = sorted((t for t in rm.tensors if t.file == index), key=lambda t: t.offset)
+    what = "header"  # every tensor matching but the file not means the header segment differs
+    for t, d in zip(tensors, digests[1:]):
+        if d.hex() != t.checksum:
+            what = f"tensor {t.path}"
+            break
+    return CorruptCheckpointError(f"checksum mismatch in {f.name} ({what})", step=rm.step, tier=store.tier,
+                                  path=f"{store.url}/{join(folder, f.name)}", bad_files=[f.name])
+
+
+def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview) -> None:
+    """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch."""
+    f = rm.files[index]
+    rel = join(layout.step_dir(rm.step), f.name)
+    seg = hashing.SegmentHasher(segment_ends(rm, index))
+    if f.compression:
+        from .uploader import fetch_file
+
+        fetch_file(store, layout.step_dir(rm.step), f, out)
+        seg.feed(out)
+    else:
+        pos = 0
+        while pos < f.size:
+            n = store.readinto(rel, pos, out[pos : pos + READ_CHUNK])
+            if n <= 0:
+                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
+                                             path=f"{store.url}/{rel}", bad_files=[f.name])
+            seg.feed(out[pos : pos + n])
+            pos += n
+    if seg.file_checksum() != f.checksum:
+        raise mismatch_error(store, rm, index, seg.digests)
+
+
+def load_rank(
+    store: Store,
+    step: int,
+    rank: int,
+    alloc: Callable[[int], memoryview],
+    *,
+    executor: Executor,
+    world_size: int | None = None,
+) -> LoadedRank:
+    """Read and verify one rank's files into a buffer from ``alloc(total_bytes)``."""
+    manifest, rms = read_manifests(store, step, ranks=[rank])
+    if world_size is not None and manifest.world_size != world_size:
+        raise CorruptCheckpointError(
+            f"checkpoint was saved by {manifest.world_size} ranks, this job has {world_size}", step=step, tier=store.tier)
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=step, tier=store.tier)
+    views, offsets = load_files(store, rms[0], alloc, executor=executor)
+    return LoadedRank(manifest, rms[0], views, offsets)
+
+
+def load_files(
+    store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor
+) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
+    """Read and verify every data file of a rank into one buffer from ``alloc``; returns views and offsets."""
+    check_sizes(store, rm)
+    offsets = []
+    total = 0
+    for f in rm.files:
+        offsets.append(total)
+        total += -(-f.size // 4096) * 4096
+    buf = alloc(total)
+    views = [buf[o : o + f.size] for o, f in zip(offsets, rm.files)]
+    list(executor.map(lambda i: read_file_into(store, rm, i, views[i]), range(len(rm.files))))
+    return tuple(views), tuple(offsets)

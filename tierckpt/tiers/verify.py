@@ -1,0 +1,142 @@
+"""Verification of committed steps without loading them: stream every file, hash, compare with the manifests.
+
+Used by ``tierckpt verify`` and by :meth:`CheckpointManager.restore` to pick the newest intact step. Memory stays
+bounded (one chunk buffer per thread) whatever the checkpoint's size. Reports name every bad file; leftovers of
+crashed saves are reported separately and are never counted as corruption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format import hashing, layout
+from ..format.manifest import RankManifest, StepManifest
+from ..storage.base import Store, join
+from .reader import READ_CHUNK, mismatch_error, read_manifests, segment_ends
+
+
+@dataclass
+class StepReport:
+    step: int
+    ok: bool
+    bytes: int = 0
+    created: float | None = None
+    world_size: int | None = None
+    bad_files: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    extra_files: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step, "ok": self.ok, "bytes": self.bytes, "created": self.created,
+            "world_size": self.world_size, "bad_files": self.bad_files, "errors": self.errors,
+            "extra_files": self.extra_files,
+        }
+
+
+@dataclass(frozen=True)
+class RootListing:
+    steps: dict[int, str]  # step -> folder name of committed-looking step folders (manifest present)
+    incomplete: list[str]  # step folders without a manifest, and our temporary folders
+    other: list[str]
+
+
+def list_root(store: Store) -> RootListing:
+    steps: dict[int, str] = {}
+    incomplete: list[str] = []
+    other: list[str] = []
+    for name in store.list(""):
+        step = layout.parse_step_dir(name)
+        if step is not None:
+            if store.exists(join(name, layout.STEP_MANIFEST)):
+                steps[step] = name
+            else:
+                incomplete.append(name)
+        elif layout.is_leftover(name):
+            incomplete.append(name)
+        elif not name.startswith(layout.LOCK_PREFIX) and name != layout.RECORDS_FILE:
+            other.append(name)
+    return RootListing(dict(sorted(steps.items())), incomplete, other)
+
+
+def verify_file(store: Store, rm: RankManifest, index: int, progress: Callable[[int], None] | None = None) -> None:
+    f = rm.files[index]
+    if f.compression:
+        from .reader import read_file_into
+
+        read_file_into(store, rm, index, memoryview(bytearray(f.size)))
+        if progress:
+            progress(f.stored_size or f.size)
+        return
+    rel = join(layout.step_dir(rm.step), f.name)
+    seg = hashing.SegmentHasher(segment_ends(rm, index))
+    buf = memoryview(bytearray(min(READ_CHUNK, max(f.size, 1))))
+    pos = 0
+    while pos < f.size:
+        n = store.readinto(rel, pos, buf[: min(len(buf), f.size - pos)])
+        if n <= 0:
+            raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
+                                         path=f"{store.url}/{rel}", bad_files=[f.name])
+        seg.feed(buf[:n])
+        pos += n
+        if progress:
+            progress(n)
+    if seg.file_checksum() != f.checksum:
+        raise mismatch_error(store, rm, index, seg.digests)
+
+
+def verify_step(
+    store: Store,
+    step: int,
+    *,
+    executor: Executor | None = None,
+    ranks: list[int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> StepReport:
+    """Check one committed step completely; never raises for corruption, reports it."""
+    report = StepReport(step=step, ok=False)
+    try:
+        manifest, rms = read_manifests(store, step, ranks=ranks)
+    except CheckpointNotFoundError as exc:
+        report.errors.append(str(exc))
+        return report
+    except CorruptCheckpointError as exc:
+        report.bad_files = exc.bad_files or [layout.STEP_MANIFEST]
+        report.errors.append(str(exc))
+        return report
+    report.bytes, report.created, report.world_size = manifest.total_bytes, manifest.created, manifest.world_size
+    own = executor is None
+    pool = executor or ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
+    try:
+        jobs = [(rm, i) for rm in rms for i in range(len(rm.files))]
+
+        def check(job: tuple[RankManifest, int]) -> str | None:
+            rm, i = job
+            try:
+                verify_file(store, rm, i, progress)
+            except CorruptCheckpointError as exc:
+                return str(exc)
+            except OSError as exc:
+                return f"{rm.files[i].name}: unreadable: {exc}"
+            return None
+
+        for (rm, i), err in zip(jobs, pool.map(check, jobs)):
+            if err is not None:
+                report.bad_files.append(rm.files[i].name)
+                report.errors.append(err)
+    finally:
+        if own:
+            pool.shutdown()
+    report.extra_files = _extra_files(store, manifest, rms if ranks is None else None)
+    report.ok = not report.bad_files and not report.errors
+    return report
+
+
+def _extra_files(store: Store, manifest: StepManifest, rms: list[RankManifest] | None) -> list[str]:
+    if rms is None:
+        return []
+    known = {layout.STEP_MANIFEST} | {r.name for r in manifest.ranks} | {f.name for rm in rms for f in rm.files}
+    return [n for n in store.list(layout.step_dir(manifest.step)) if n not in known]
