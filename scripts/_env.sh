@@ -1,0 +1,18 @@
+# Shared set-up for scripts/demo.sh and scripts/test.sh: a virtual environment in .venv with torch and tierckpt.
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  # 2.13.0 is the CPU wheel available on our machines; tierckpt itself accepts torch >= 2.4.
+  "$VPY" -m pip install -q --upgrade pip >/dev/null
+  "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+if ! "$VPY" -c "import tierckpt, pytest, moto, s3fs, hypothesis" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.tierckpt-installed ]; then
+  "$VPY" -m pip install -q -e ".[test,bench]"
+  touch .venv/.tierckpt-installed
+fi

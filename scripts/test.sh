@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Runs the whole test suite (sets up .venv on first use). Extra arguments go to pytest, e.g. scripts/test.sh -k verify
+set -euo pipefail
+source "$(dirname "$0")/_env.sh"
+.venv/bin/ruff check tierckpt tests benchmarks examples
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
