@@ -195,10 +195,10 @@ class CheckpointManager:
         except BaseException as exc:
             self._pool.release(slot)
             handle._record.error = str(exc)
+            self._background_error(exc, f"saving step {step} to the local tier failed")
             handle.persisted.set_exception(exc)
             if not handle.uploaded.done():
                 handle.uploaded.set_exception(exc)
-            self._background_error(exc, f"saving step {step} to the local tier failed")
             self._write_record(handle)
             return
         self._pool.release(slot)
@@ -234,14 +234,14 @@ class CheckpointManager:
                 self._enqueue_upload(step, None)
 
     def _upload_loop(self) -> None:
-        from .tiers import uploader
-
         while True:
             item = self._uploads.get()
             if item is None:
                 return
             step, handle, fut = item  # type: ignore[misc]
             try:
+                from .tiers import uploader
+
                 assert self.remote is not None
                 uploader.replicate_step(
                     self.local, self.remote, step, threads=self.options.upload_threads,
@@ -259,11 +259,11 @@ class CheckpointManager:
                 self._apply_local_retention()
                 fut.set_result(None)
             except BaseException as exc:
+                self._background_error(exc, f"uploading step {step} to the remote tier failed (the local copy is kept)")
                 if handle is not None:
                     handle._record.error = str(exc)
                     handle.uploaded.set_exception(exc)
                     self._write_record(handle)
-                self._background_error(exc, f"uploading step {step} to the remote tier failed (the local copy is kept)")
                 fut.set_result(None)
 
     # ------------------------------------------------------------------------------------------------ retention

@@ -96,8 +96,9 @@ def persist(
     """Write, checksum and commit one rank's snapshot as step ``step`` (single-rank steps commit here)."""
     t0 = time.perf_counter()
     protocol = protocol_for(store)
-    folder = protocol.begin(store, step, save_id)
+    folder = layout.tmp_dir(step, save_id)
     try:
+        folder = protocol.begin(store, step, save_id)
         names = [layout.data_file_name(rank, f.part, save_id) for f in files]
         results = list(executor.map(lambda fn: _write_file(store, join(folder, fn[0]), fn[1], leaves), zip(names, files)))
         file_records = []
