@@ -34,6 +34,7 @@ from .format import layout
 from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
 from .options import Options, check_storage_options
+from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .retention import KeepPolicy
 from .snapshot import staging, tree
 from .status import StepInfo, list_steps
@@ -71,6 +72,7 @@ class CheckpointManager:
             verify_uploads: the remote tier's uploader.
         cache_remote_restores: copy a step restored from the remote tier into the local tier.
         pin_memory: pin staging buffers (default: when CUDA is available).
+        save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
 
@@ -95,6 +97,8 @@ class CheckpointManager:
         cache_remote_restores: bool = False,
         pin_memory: bool | None = None,
         log_records: bool = True,
+        save_every_steps: int | None = None,
+        save_every_seconds: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -107,6 +111,10 @@ class CheckpointManager:
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
+        self._policy = SavePolicy(every_steps=save_every_steps, every_seconds=save_every_seconds)
+        self._clock = Clock()
+        self._preemption = Preemption()
+        self._slow = SlowSaveMonitor()
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         if self.world_size != 1:
             raise CheckpointError(
@@ -180,6 +188,7 @@ class CheckpointManager:
         rec.bytes, rec.tensors, rec.files, rec.stall_s = plan.total_bytes, len(leaves_meta), len(files), stall
         handle.staged.set_result(stall)
         self._last_step = step
+        self._clock.saved(step)
         fut = self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata)
         self._track(fut)
         log.debug("save step %d: staged %.1f MiB in %.3f s", step, plan.total_bytes / 2**20, stall)
@@ -203,6 +212,7 @@ class CheckpointManager:
             return
         self._pool.release(slot)
         handle._record.persist_s = handle.elapsed()
+        self._slow.observe(step, handle._record.persist_s, handle._record.bytes, "local")
         handle.persisted.set_result(handle._record.persist_s)
         if self.remote is None:
             handle.uploaded.set_result(None)
@@ -292,6 +302,21 @@ class CheckpointManager:
                 self._uploaded_remote.discard(step)
         except Exception as exc:
             log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
+
+    # ------------------------------------------------------------------------------------------------ policy
+    def install_signal_handlers(self, signals=DEFAULT_SIGNALS) -> None:
+        """On SIGTERM/SIGUSR1 (Slurm's ``--signal``), make :attr:`preempted` and :meth:`should_save` true, so the
+        loop takes one last checkpoint at its next step boundary; ``close()`` then makes it durable."""
+        self._preemption.install(signals)
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal arrived."""
+        return self._preemption.event.is_set()
+
+    def should_save(self, step: int) -> bool:
+        """True when the interval policy says ``step`` is due, or a preemption signal arrived."""
+        return self.preempted or self._clock.due(self._policy, step)
 
     # ------------------------------------------------------------------------------------------------ waiting
     def _track(self, fut: Future) -> None:
@@ -409,6 +434,7 @@ class CheckpointManager:
             self._persist.shutdown(wait=True)
             self._io.shutdown(wait=True)
             self._pool.close()
+            self._preemption.uninstall()
             if self.remote is not None:
                 self.remote.close()
             self._unlock()
