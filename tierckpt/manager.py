@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import _restore
+from . import _restore, faults
 from .errors import CheckpointError, CheckpointLockedError
 from .format import layout
 from .format.plan import SnapshotPlan, make_plan
@@ -172,6 +172,7 @@ class CheckpointManager:
         plan, locations = self._plan, self._locations
         slot = self._pool.acquire(plan.buffer_bytes)
         try:
+            faults.point("staging")
             staging.copy_into(slot, plan, locations, flat.leaves, copy_stream=self._copy_stream)
         except BaseException:
             self._pool.release(slot)
@@ -465,6 +466,7 @@ def _delete_step(store: Any, step: int) -> None:
 
     folder = layout.step_dir(step)
     store.remove(join(folder, layout.STEP_MANIFEST))
+    faults.point("retention")
     store.remove(folder)
     log.info("tier %s: retention removed step %d from %s", store.tier, step, store.url)
 

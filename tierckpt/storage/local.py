@@ -20,6 +20,7 @@ import os
 import shutil
 from typing import BinaryIO
 
+from .. import faults
 from ..errors import CheckpointError, StorageError
 from ..format import layout
 from .base import Store, WriteStream, join
@@ -90,15 +91,18 @@ class _LocalWriteStream(WriteStream):
         self.written = 0
 
     def write(self, data: memoryview | bytes) -> None:
-        write_all(self.fd, data if isinstance(data, memoryview) else memoryview(data))
-        self.written += len(data)
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        write_all(self.fd, view)
+        self.written += view.nbytes  # bytes, not elements: len() of a typed memoryview counts items
 
     def close(self) -> None:
         if self.fd < 0:
             return
         try:
             os.ftruncate(self.fd, self.written)  # in case fallocate reserved more than was written
+            faults.point("before-fsync")
             os.fsync(self.fd)
+            faults.point("after-fsync")
         finally:
             os.close(self.fd)
             self.fd = -1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
+from .. import faults
 from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
 from ..storage.base import Store, join
@@ -75,6 +76,8 @@ def _write_file(store: Store, rel: str, f: StagedFile, leaves: list[LeafMeta]) -
             chunk = data[start : start + WRITE_CHUNK]
             seg.feed(chunk)
             w.write(chunk)
+            if start == 0:
+                faults.point("mid-file")
     if not seg.done():
         raise CheckpointError(f"internal error: segments of {rel} do not cover the file")
     return seg.file_checksum(), seg.digests
@@ -117,6 +120,7 @@ def persist(
         )
         raw = rank_manifest.to_bytes()
         rname = layout.rank_manifest_name(rank, save_id)
+        faults.point("before-manifest")
         store.write_bytes(join(folder, rname), raw)
         manifest = StepManifest(
             step=step, world_size=world_size, save_id=save_id,
@@ -124,7 +128,10 @@ def persist(
             total_bytes=rank_manifest.total_bytes, metadata=metadata,
         )
         store.write_bytes(join(folder, layout.STEP_MANIFEST), manifest.to_bytes())
+        faults.point("after-manifest")
+        faults.point("before-rename")
         protocol.commit(store, folder, step)
+        faults.point("after-rename")
     except BaseException as exc:
         try:
             protocol.abort(store, folder, step)
