@@ -21,8 +21,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, StorageError
 from .. import faults
+from ..errors import CheckpointError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
 from ..storage.base import Store, join
