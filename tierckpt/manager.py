@@ -42,6 +42,7 @@ from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
 from .tiers import writer
+from .tiers.uploader import delete_step
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,11 @@ class CheckpointManager:
                 log.info("tier local: %s under %s", action, self.local.url)
             if remote is not None:
                 self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote")
+                try:
+                    for action in protocol_for(self.remote).recover(self.remote):
+                        log.info("tier remote: %s under %s", action, self.remote.url)
+                except Exception as exc:  # an unreachable remote must not stop training; uploads retry later
+                    log.warning("tier remote: start-up cleanup of %s failed: %s", self.remote.url, exc)
         except BaseException:
             self._unlock()
             raise
@@ -287,7 +293,7 @@ class CheckpointManager:
             for step in policy.to_delete(steps):
                 if self.remote is not None and step not in self._uploaded_remote:
                     continue  # never drop the only durable copy
-                _delete_step(self.local, step)
+                delete_step(self.local, step)
         except Exception as exc:
             log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
 
@@ -299,7 +305,7 @@ class CheckpointManager:
             steps = list(list_root(self.remote).steps)
             policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
             for step in policy.to_delete(steps):
-                _delete_step(self.remote, step)
+                delete_step(self.remote, step)
                 self._uploaded_remote.discard(step)
         except Exception as exc:
             log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
@@ -458,17 +464,6 @@ class CheckpointManager:
                 self._unlock()
             except Exception:
                 pass
-
-
-def _delete_step(store: Any, step: int) -> None:
-    """Decommit (manifest first) then remove a step folder."""
-    from .storage.base import join
-
-    folder = layout.step_dir(step)
-    store.remove(join(folder, layout.STEP_MANIFEST))
-    faults.point("retention")
-    store.remove(folder)
-    log.info("tier %s: retention removed step %d from %s", store.tier, step, store.url)
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
