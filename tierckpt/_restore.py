@@ -65,11 +65,12 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
                                               path=", ".join(t.url for t in tiers))
             bad = [f for e in failures for f in e.bad_files]
             raise CorruptCheckpointError(
-                "no copy of this step verifies: " + "; ".join(str(e) for e in failures), step=s, bad_files=bad)
+                "no copy of this step verifies: " + "; ".join(str(e) for e in failures), step=s, bad_files=bad,
+                tier="+".join(h.tier for h in holders), path=failures[-1].path if failures else holders[0].url)
     bad = [f for e in failures for f in e.bad_files]
     raise CorruptCheckpointError(
         f"every committed step ({len(candidates)}) failed verification; newest error: {failures[0]}",
-        step=candidates[0], bad_files=bad)
+        step=candidates[0], bad_files=bad, tier=failures[0].tier, path=failures[0].path)
 
 
 def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> None:
