@@ -18,9 +18,21 @@ from .errors import (
     UploadError,
 )
 from .handle import SaveHandle, SaveRecord
-from .manager import CheckpointManager
 from .retention import KeepPolicy
 from .status import StepInfo
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from .manager import CheckpointManager
+
+
+def __getattr__(name: str):
+    # The manager imports torch; loading it lazily keeps the operators' CLI (ls/verify) fast and torch-free.
+    if name == "CheckpointManager":
+        from .manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointManager",
