@@ -7,6 +7,7 @@ they are raised at once, before any byte is read, and the state is left untouche
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -14,8 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .format import hashing, layout
+from .format.manifest import RankManifest, RankRef, StepManifest
 from .snapshot.tree import plan_restore, tensor_view_factory
-from .storage.base import Store
+from .storage.base import Store, join
+from .storage.commit import protocol_for
 from .tiers.reader import load_files, read_manifests
 from .tiers.verify import list_root
 
@@ -74,7 +78,7 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
 
 
 def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> None:
-    _manifest, rms = read_manifests(store, step, ranks=[mgr.rank])
+    manifest, rms = read_manifests(store, step, ranks=[mgr.rank])
     if not rms:
         raise CheckpointNotFoundError(f"rank {mgr.rank} is not in the checkpoint", step=step, tier=store.tier)
     rm = rms[0]
@@ -91,7 +95,7 @@ def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping
         return memoryview(slot.buffer[:n].numpy())
 
     try:
-        _views, offsets = load_files(store, rm, alloc, executor=mgr._io)
+        views, offsets = load_files(store, rm, alloc, executor=mgr._io)
         buf: torch.Tensor = holder["slot"].buffer
 
         def raw(i: int) -> torch.Tensor:
@@ -100,6 +104,34 @@ def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping
             return buf[start : start + rec.nbytes]
 
         plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step)
+        if store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1:
+            _cache_locally(mgr.local, manifest, rm, views)
     finally:
         if "slot" in holder:
             mgr._pool.release(holder["slot"])
+
+
+def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views: tuple[memoryview, ...]) -> None:
+    """Commit a step restored from the remote tier into the local tier, from the verified bytes already in memory,
+    so that the next restart on this node reads it locally. Failures only log: the restore itself succeeded."""
+    step = rm.step
+    if local.exists(join(layout.step_dir(step), layout.STEP_MANIFEST)):
+        return
+    protocol = protocol_for(local)
+    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, compression=None, stored_size=None) for f in rm.files))
+    raw = plain.to_bytes()
+    name = layout.rank_manifest_name(rm.rank, rm.save_id)
+    step_manifest = dataclasses.replace(manifest, ranks=(RankRef(rm.rank, name, len(raw), hashing.digest(raw).hex()),))
+    folder = layout.tmp_dir(step, rm.save_id)
+    try:
+        folder = protocol.begin(local, step, rm.save_id)
+        for f, view in zip(plain.files, views):
+            with local.open_write(join(folder, f.name), size_hint=f.size) as w:
+                w.write(view)
+        local.write_bytes(join(folder, name), raw)
+        local.write_bytes(join(folder, layout.STEP_MANIFEST), step_manifest.to_bytes())
+        protocol.commit(local, folder, step)
+        log.info("restore: cached step %d from the remote tier into %s", step, local.url)
+    except Exception as exc:
+        protocol.abort(local, folder, step)
+        log.warning("restore: could not cache step %d into the local tier %s: %s", step, local.url, exc)

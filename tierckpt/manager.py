@@ -152,6 +152,8 @@ class CheckpointManager:
         self._closed = False
         self._uploads: queue.Queue[tuple[int, SaveHandle | None] | None] = queue.Queue()
         self._uploaded_remote: set[int] = set()
+        self._upload_failed: set[int] = set()
+        self._uploading_now: int | None = None
         self._upload_thread: threading.Thread | None = None
         if self.remote is not None:
             self._upload_thread = threading.Thread(target=self._upload_loop, name="tierckpt-upload", daemon=True)
@@ -256,6 +258,7 @@ class CheckpointManager:
             if item is None:
                 return
             step, handle, fut = item  # type: ignore[misc]
+            self._uploading_now = step
             try:
                 from .tiers import uploader
 
@@ -268,6 +271,8 @@ class CheckpointManager:
                     deadline_s=self.options.upload_deadline_s,
                 )
                 self._uploaded_remote.add(step)
+                self._upload_failed.discard(step)
+                self._uploading_now = None
                 if handle is not None:
                     handle._record.upload_s = handle.elapsed()
                     handle.uploaded.set_result(handle._record.upload_s)
@@ -276,6 +281,8 @@ class CheckpointManager:
                 self._apply_local_retention()
                 fut.set_result(None)
             except BaseException as exc:
+                self._upload_failed.add(step)
+                self._uploading_now = None
                 self._background_error(exc, f"uploading step {step} to the remote tier failed (the local copy is kept)")
                 if handle is not None:
                     handle._record.error = str(exc)
@@ -382,11 +389,13 @@ class CheckpointManager:
 
     def steps(self) -> list[StepInfo]:
         """Every step known in either tier, with where it is and its state."""
-        return list_steps(self.local, self.remote, self._uploaded_remote, self._uploads_in_flight())
+        return list_steps(self.local, self.remote, self._upload_failed, self._uploads_in_flight())
 
     def _uploads_in_flight(self) -> set[int]:
         with self._uploads.mutex:
-            return {item[0] for item in self._uploads.queue if item is not None}
+            queued = {item[0] for item in self._uploads.queue if item is not None}
+        now = self._uploading_now
+        return queued if now is None else queued | {now}
 
     def records(self) -> list[SaveRecord]:
         """Records of this manager's saves, oldest first."""

@@ -18,13 +18,14 @@ class StepInfo:
     step: int
     local: bool
     remote: bool
-    #: "local", "remote", "local+remote", "uploading" (local, upload queued or running), "failed" (manifest unreadable)
+    #: "local", "remote", "local+remote", "uploading" (local, upload queued or running), "upload-failed" (local,
+    #: its last upload failed; retried at the next start or by ``tierckpt sync``), "failed" (manifest unreadable)
     state: str
     bytes: int | None
     created: float | None
 
 
-def list_steps(local: Store, remote: Store | None, uploaded: set[int], uploading: set[int]) -> list[StepInfo]:
+def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uploading: set[int]) -> list[StepInfo]:
     loc = list_root(local).steps
     rem: dict[int, str] = {}
     if remote is not None:
@@ -48,6 +49,8 @@ def list_steps(local: Store, remote: Store | None, uploaded: set[int], uploading
             state = "local+remote"
         elif step in loc and remote is not None and step in uploading:
             state = "uploading"
+        elif step in loc and remote is not None and step in upload_failed:
+            state = "upload-failed"
         else:
             state = "local" if step in loc else "remote"
         out.append(StepInfo(step, step in loc, step in rem, state, size, created))

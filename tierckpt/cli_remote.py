@@ -1,0 +1,415 @@
+"""The CLI commands that move checkpoints between tiers: ``tierckpt sync``, ``pull`` and ``prune``.
+
+``cli.build_parser`` calls :func:`add_commands` to register them. They share ``cli``'s conventions: exit 0 on success,
+1 when an operation failed or a step is corrupt, 2 for a usage error or nothing found; ``--json`` prints one document
+on stdout and nothing else; a progress bar goes to stderr on a terminal only. Messages name stores by their ``url``
+(credentials removed), never by the ``--storage-option`` values.
+
+- ``sync LOCAL REMOTE`` replicates every committed local step that the remote does not hold committed, through
+  :func:`tierckpt.tiers.uploader.replicate_step` (data, then rank manifests, then ``manifest.json`` last). It is
+  resumable: an interrupted run leaves only uncommitted files, which the next run replaces. A remote step committed
+  from another save (a different ``save_id``) is left alone and reported.
+- ``pull REMOTE LOCAL --step N`` streams one step into a local tier root, hashing every byte against the remote
+  manifests as it arrives; compressed remote files are decompressed, and the rank manifests re-sealed without the
+  compression fields, so the local copy is plain safetensors with the same checksums and ``save_id``. It is written
+  into a temporary folder and renamed into place (the local commit protocol), so a failed pull leaves nothing visible.
+  The local root's lock is taken for the duration, so a pull never races a live manager.
+- ``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy` by hand, deleting each
+  step ``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests verify and
+  whose files have their recorded sizes (so a damaged newest step cannot cost the last good one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .cli import EXIT_BAD, EXIT_OK, EXIT_USAGE, _open_root, _progress, _say, _storage_options, _Usage
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .format import hashing, layout
+from .format.manifest import FileRecord, RankManifest, RankRef, StepManifest
+from .storage.base import Store, join
+from .storage.open import is_url, open_store
+
+log = logging.getLogger(__name__)
+
+#: Bytes streamed per read while pulling.
+_CHUNK = 8 << 20
+
+
+def _url(store: Store, rel: str) -> str:
+    return f"{store.url}/{rel}" if rel else store.url
+
+
+def _bar(args: argparse.Namespace, total: int, desc: str) -> Any:
+    return _progress(total, sys.stderr.isatty() and not args.json, desc)
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(doc))
+
+
+# ------------------------------------------------------------------------------------------------------------ sync
+def cmd_sync(args: argparse.Namespace) -> int:
+    """Replicate committed local steps that the remote lacks; exit 1 if any step failed."""
+    from .storage.commit import read_step_manifest
+    from .tiers.reader import read_manifests
+    from .tiers.uploader import list_steps, replicate_step
+    from .tiers.verify import list_root
+
+    if args.threads < 1:
+        raise _Usage("--threads must be >= 1")
+    opts = _storage_options(args.storage_option)
+    local, only = _open_root(args.local, None if not is_url(args.local) else opts)
+    local.tier = "local"
+    local_steps = [s for s in list_root(local).steps if only is None or s == only]
+    if not local_steps:
+        _say(args, f"no committed checkpoints under {local.url}" + (f" for step {only}" if only is not None else ""))
+        return EXIT_USAGE
+    remote = open_store(args.remote, storage_options=opts, tier="remote", create=True)
+    try:
+        remote_state = list_steps(remote)
+        todo: list[int] = []
+        results: list[dict[str, Any]] = []
+        for step in local_steps:
+            if remote_state.get(step) != "committed":
+                todo.append(step)
+                continue
+            folder = layout.step_dir(step)
+            mine = read_step_manifest(local, folder, step)
+            theirs = read_step_manifest(remote, folder, step)
+            same = mine is not None and theirs is not None and mine.save_id == theirs.save_id
+            entry: dict[str, Any] = {"step": step, "status": "skipped", "url": _url(remote, folder)}
+            if not same:
+                entry["note"] = "the remote holds another save of this step; kept it"
+            results.append(entry)
+            if not args.json:
+                print(f"step {step}: already in {remote.url}" + ("" if same else " (another save of it; kept)"))
+        total = 0
+        for step in todo:
+            try:
+                total += read_manifests(local, step)[0].total_bytes
+            except CheckpointError:
+                pass  # replicate_step reports it
+        bar = _bar(args, total, "sync")
+        failed = 0
+        try:
+            for step in todo:
+                where = _url(remote, layout.step_dir(step))
+                try:
+                    res = replicate_step(local, remote, step, threads=args.threads, compression=args.compression,
+                                         verify=args.verify, progress=(lambda n: bar.update(n)) if bar else None)
+                except CheckpointError as exc:
+                    failed += 1
+                    results.append({"step": step, "status": "failed", "url": where, "error": str(exc)})
+                    if bar:
+                        bar.clear()
+                    print(f"step {step}: FAILED to replicate to {where}: {exc}", file=sys.stderr)
+                    continue
+                results.append({"step": step, "status": "skipped" if res.skipped else "uploaded", "url": where,
+                                "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+                                "seconds": round(res.seconds, 3), "retries": res.retries})
+                if not args.json:
+                    if bar:
+                        bar.clear()
+                    verb = "already in" if res.skipped else "uploaded to"
+                    print(f"step {step}: {verb} {where} ({res.bytes_written / 2**20:.1f} MiB written, "
+                          f"{res.seconds:.2f} s)")
+        finally:
+            if bar:
+                bar.close()
+    finally:
+        remote.close()
+    results.sort(key=lambda r: r["step"])
+    _emit(args, {"local": local.url, "remote": remote.url, "ok": failed == 0, "steps": results})
+    if not args.json:
+        done = sum(r["status"] == "uploaded" for r in results)
+        print(f"{done} uploaded, {len(results) - done - failed} already there, {failed} failed")
+    return EXIT_OK if failed == 0 else EXIT_BAD
+
+
+# ------------------------------------------------------------------------------------------------------------ pull
+def _lock_local(root: str) -> int:
+    """Take the rank-0 lock of a local tier root, as a manager would; ``_Usage`` if a live manager holds it."""
+    path = os.path.join(root, layout.lock_name(0))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise _Usage(f"{root} is in use by a running CheckpointManager; stop it or pull elsewhere") from None
+    return fd
+
+
+def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, staging: str,
+               progress: Callable[[int], Any] | None) -> FileRecord:
+    """Stream one remote data file into ``staging``, decompressed, hashing every byte; the local record."""
+    from .tiers.reader import mismatch_error, segment_ends
+
+    rec = rm.files[index]
+    src = join(layout.step_dir(rm.step), rec.name)
+    where = _url(remote, src)
+    seg = hashing.SegmentHasher(segment_ends(rm, index))
+
+    def corrupt(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{rec.name}: {msg}", step=rm.step, tier=remote.tier, path=where,
+                                      bad_files=[rec.name])
+
+    if rec.compression not in (None, "zstd"):
+        raise corrupt(f"unknown compression {rec.compression!r}")
+    zstd_error: tuple[type[BaseException], ...] = ()
+    if rec.compression == "zstd":
+        import zstandard
+
+        zstd_error = (zstandard.ZstdError,)
+    got = 0
+    w = local.open_write(join(staging, rec.name), size_hint=rec.size)
+    try:
+        with remote.open_read(src) as f:
+            reader: Any = f
+            if zstd_error:
+                reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=_CHUNK, read_across_frames=False)
+            try:
+                while True:
+                    data = reader.read(min(_CHUNK, rec.size - got + 1))
+                    if not data:
+                        break
+                    got += len(data)
+                    if got > rec.size:
+                        raise corrupt(f"holds more than its {rec.size} bytes")
+                    seg.feed(data)
+                    w.write(data)
+                    if progress is not None:
+                        progress(len(data))
+            except zstd_error as exc:
+                raise corrupt(f"damaged zstd stream: {exc}") from None
+        if got != rec.size:
+            raise corrupt(f"holds {got} bytes, the manifest says {rec.size}")
+        if seg.file_checksum() != rec.checksum:
+            raise mismatch_error(remote, rm, index, seg.digests)
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return dataclasses.replace(rec, compression=None, stored_size=None)
+
+
+def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
+              progress: Callable[[int], Any] | None = None) -> StepManifest:
+    """Copy committed step ``step`` of ``remote`` into the local tier ``local`` (an ``atomic_rename`` store), every
+    byte verified, committed by renaming its temporary folder. Returns the local step manifest.
+
+    Raises :class:`CheckpointNotFoundError` when ``remote`` does not hold the step committed, and
+    :class:`CorruptCheckpointError` (naming the files) when its copy there does not verify; nothing becomes visible
+    in ``local`` then."""
+    from .storage.commit import protocol_for
+    from .tiers.reader import check_sizes, read_manifests
+
+    manifest, rms = read_manifests(remote, step)
+    for rm in rms:
+        check_sizes(remote, rm)
+        if rm.save_id != manifest.save_id:
+            raise CorruptCheckpointError("rank manifest belongs to another save", step=step, tier=remote.tier,
+                                         path=_url(remote, layout.step_dir(step)))
+    protocol = protocol_for(local)
+    staging = protocol.begin(local, step, layout.new_save_id())
+    try:
+        jobs = [(rm, i) for rm in rms for i in range(len(rm.files))]
+        with ThreadPoolExecutor(max(1, min(threads, len(jobs) or 1)), thread_name_prefix="tierckpt-pull") as pool:
+            records = list(pool.map(lambda j: _pull_file(remote, local, j[0], j[1], staging, progress), jobs))
+        pos = 0
+        refs = []
+        for rm, ref in zip(rms, manifest.ranks):
+            files = tuple(records[pos : pos + len(rm.files)])
+            pos += len(rm.files)
+            new_rm = rm if files == rm.files else dataclasses.replace(rm, files=files)
+            raw = new_rm.to_bytes() if new_rm is not rm else remote.read_bytes(
+                join(layout.step_dir(step), ref.name), max_size=ref.size)
+            if new_rm is rm and (len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum):
+                raise CorruptCheckpointError("rank manifest changed while being pulled", step=step, tier=remote.tier,
+                                             path=_url(remote, join(layout.step_dir(step), ref.name)),
+                                             bad_files=[ref.name])
+            refs.append(RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex()))
+            local.write_bytes(join(staging, ref.name), raw)
+        out = manifest if tuple(refs) == manifest.ranks else dataclasses.replace(manifest, ranks=tuple(refs))
+        local.write_bytes(join(staging, layout.STEP_MANIFEST), out.to_bytes())
+        protocol.commit(local, staging, step)
+    except BaseException:
+        try:
+            protocol.abort(local, staging, step)
+        except Exception as exc:  # pragma: no cover - the leftover is removed by the next manager's recovery
+            log.warning("step %d: removing the partial pull %s failed: %s", step, _url(local, staging), exc)
+        raise
+    return out
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Bring one step of REMOTE back into the local tier root LOCAL."""
+    if is_url(args.local):
+        raise _Usage(f"LOCAL must be a local folder, got the URL {args.local!r}")
+    if args.threads < 1:
+        raise _Usage("--threads must be >= 1")
+    remote, only = _open_root(args.remote, _storage_options(args.storage_option))
+    remote.tier = "remote"
+    step = args.step if args.step is not None else only
+    if step is None:
+        raise _Usage("pull needs --step N (or a step folder as REMOTE)")
+    local = open_store(args.local, tier="local", create=True)
+    fd = _lock_local(local.local_path or args.local.removeprefix("file://"))
+    try:
+        total = 0
+        try:
+            from .tiers.reader import read_manifests
+
+            total = read_manifests(remote, step)[0].total_bytes
+        except CheckpointNotFoundError:
+            _say(args, f"step {step} is not committed in {remote.url}")
+            return EXIT_USAGE
+        except CheckpointError:
+            pass  # pull_step reports the damage
+        bar = _bar(args, total, f"pull {step}")
+        try:
+            manifest = pull_step(remote, local, step, threads=args.threads,
+                                 progress=(lambda n: bar.update(n)) if bar else None)
+        except CorruptCheckpointError as exc:
+            if bar:
+                bar.close()
+            _say(args, f"step {step} in {remote.url} is corrupt, nothing pulled: {exc}")
+            return EXIT_BAD
+        if bar:
+            bar.close()
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        remote.close()
+    where = _url(local, layout.step_dir(step))
+    if args.json:
+        print(json.dumps({"ok": True, "step": step, "remote": remote.url, "local": where,
+                          "bytes": manifest.total_bytes, "save_id": manifest.save_id}))
+    else:
+        print(f"step {step}: pulled from {remote.url} into {where} ({manifest.total_bytes / 2**20:.1f} MiB, verified)")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------------------ prune
+def _manifests_ok(store: Store, step: int) -> bool:
+    """Cheap integrity check: the manifests verify and every data file has its recorded size."""
+    from .tiers.reader import check_sizes, read_manifests
+
+    try:
+        _manifest, rms = read_manifests(store, step)
+        for rm in rms:
+            check_sizes(store, rm)
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step."""
+    from .retention import KeepPolicy
+    from .tiers.uploader import delete_step
+    from .tiers.verify import list_root
+
+    try:
+        policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    store, only = _open_root(args.root, _storage_options(args.storage_option))
+    if only is not None:
+        raise _Usage("prune takes a tier root, not a step folder")
+    try:
+        steps = sorted(list_root(store).steps)
+        if not steps:
+            _say(args, f"no committed checkpoints under {store.url}")
+            return EXIT_USAGE
+        doomed = policy.to_delete(steps)
+        protected = next((s for s in reversed(steps) if _manifests_ok(store, s)), None)
+        if protected in doomed:
+            doomed.remove(protected)
+            if not args.json:
+                print(f"keeping step {protected}: the newest step whose manifests verify")
+        kept = [s for s in steps if s not in doomed]
+        deleted: list[int] = []
+        errors: list[str] = []
+        for step in doomed:
+            where = _url(store, layout.step_dir(step))
+            if args.dry_run:
+                if not args.json:
+                    print(f"would delete step {step} ({where})")
+                continue
+            try:
+                delete_step(store, step)
+            except (CheckpointError, OSError) as exc:
+                errors.append(f"step {step}: {exc}")
+                print(f"step {step}: FAILED to delete {where}: {exc}", file=sys.stderr)
+                continue
+            deleted.append(step)
+            if not args.json:
+                print(f"deleted step {step} ({where})")
+    finally:
+        store.close()
+    if args.json:
+        doc: dict[str, Any] = {"root": store.url, "dry_run": args.dry_run, "ok": not errors, "kept": kept,
+                               "deleted": deleted, "errors": errors}
+        if args.dry_run:
+            doc["would_delete"] = doomed
+        print(json.dumps(doc))
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s); keeping {kept}")
+    return EXIT_OK if not errors else EXIT_BAD
+
+
+# ------------------------------------------------------------------------------------------------------------ parser
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn a storage failure that is not one of ours (a refused connection, an S3 error) into a message and exit
+    1 instead of a traceback; missing things and our own errors go on to ``cli.main``'s handlers."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (FileNotFoundError, CheckpointError, _Usage):
+            raise
+        except OSError as exc:
+            _say(args, f"tierckpt {args.cmd}: storage error: {type(exc).__name__}: {exc}")
+            return EXIT_BAD
+
+    return run
+
+
+def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``sync``, ``pull`` and ``prune`` on the ``tierckpt`` sub-parsers."""
+    sp = sub.add_parser("sync", help="replicate committed local steps that the remote lacks (resumable)")
+    sp.add_argument("local", help="local tier root (or one step folder)")
+    sp.add_argument("remote", help="remote tier: a path or an fsspec URL such as s3://bucket/run")
+    sp.add_argument("--threads", type=int, default=4, help="files uploaded in parallel (default 4)")
+    sp.add_argument("--compression", choices=["zstd"], default=None, help="store the remote copy compressed")
+    sp.add_argument("--verify", action="store_true", help="re-read and hash every uploaded file before committing")
+    common(sp)
+    sp.set_defaults(fn=_guarded(cmd_sync))
+
+    sp = sub.add_parser("pull", help="bring one step of a remote tier back into a local tier root (verified)")
+    sp.add_argument("remote", help="remote tier root (or one step folder): a path or an fsspec URL")
+    sp.add_argument("local", help="local tier root (created if missing)")
+    sp.add_argument("--step", type=int, help="the step to pull")
+    sp.add_argument("--threads", type=int, default=4, help="files downloaded in parallel (default 4)")
+    common(sp)
+    sp.set_defaults(fn=_guarded(cmd_pull))
+
+    sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step)")
+    sp.add_argument("root", help="tier root: a path or an fsspec URL")
+    sp.add_argument("--keep", type=int, required=True, help="keep the N newest steps")
+    sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep every K-th step")
+    sp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    common(sp)
+    sp.set_defaults(fn=_guarded(cmd_prune))
