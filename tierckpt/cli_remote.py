@@ -146,7 +146,8 @@ def _lock_local(root: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise _Usage(f"{root} is in use by a running CheckpointManager; stop it or pull elsewhere") from None
+        raise _Usage(f"{root} is in use (a running CheckpointManager or pull holds its lock); "
+                     "stop it or pull elsewhere") from None
     return fd
 
 

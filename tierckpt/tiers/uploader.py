@@ -164,6 +164,20 @@ class _StepFailed(Exception):
         self.exc = exc
 
 
+#: After one job of a step fails, how long the others get to notice ``ctx.stop`` before the step is aborted.
+_DRAIN_S = 30.0
+
+
+def _drain(ctx: _Ctx, pending: set[Future]) -> None:
+    """Stop the step's other jobs and let the running ones finish (bounded), so that aborting the step does not race
+    a job still writing into its folder."""
+    ctx.stop.set()
+    for fut in pending:
+        fut.cancel()
+    limit = _DRAIN_S if ctx.deadline is None else max(0.0, min(_DRAIN_S, ctx.deadline - time.monotonic()))
+    wait(pending, timeout=limit)
+
+
 def _run_all(pool: ThreadPoolExecutor, ctx: _Ctx, jobs: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
     """Run jobs on the pool; return their results in order, or raise :class:`_StepFailed` for the first failure,
     a cancel or the deadline (without waiting for a job stuck in a request)."""
@@ -175,6 +189,7 @@ def _run_all(pool: ThreadPoolExecutor, ctx: _Ctx, jobs: list[tuple[str, Callable
         for fut in done:
             exc = fut.exception()
             if exc is not None:
+                _drain(ctx, pending)
                 raise _StepFailed(futures[fut], exc)
         if pending:
             if ctx.cancel is not None and ctx.cancel.is_set():
