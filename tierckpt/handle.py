@@ -37,7 +37,7 @@ class SaveHandle:
 
     - ``staged``: the snapshot is in host buffers (already done when ``save()`` returns);
     - ``persisted``: committed and durable in the local tier;
-    - ``uploaded``: committed in the remote tier (``None`` at once when no remote tier is configured).
+    - ``uploaded``: committed in the remote tier (``None`` once locally durable when no remote tier is configured).
 
     A failed stage's future holds the exception (the same error is re-raised by the manager's next call).
     """

@@ -127,12 +127,11 @@ class CheckpointManager:
             for action in protocol_for(self.local).recover(self.local):
                 log.info("tier local: %s under %s", action, self.local.url)
             if remote is not None:
-                self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote")
-                try:
-                    for action in protocol_for(self.remote).recover(self.remote):
-                        log.info("tier remote: %s under %s", action, self.remote.url)
-                except Exception as exc:  # an unreachable remote must not stop training; uploads retry later
-                    log.warning("tier remote: start-up cleanup of %s failed: %s", self.remote.url, exc)
+                # No start-up cleanup on the remote: it is shared (other nodes, `tierckpt sync`) and holds no lock of
+                # ours, so another writer's upload in progress must not be mistaken for a leftover. Leftovers there
+                # are never checkpoints; `tierckpt prune` removes them.
+                self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote",
+                                         part_size=self.options.upload_part_mb << 20)
         except BaseException:
             self._unlock()
             raise

@@ -20,6 +20,7 @@ def open_store(
     storage_options: dict[str, Any] | None = None,
     tier: str = "remote",
     create: bool = True,
+    part_size: int | None = None,
 ) -> Store:
     """A plain path or ``file://`` URL opens a :class:`LocalStore` (fsync, atomic rename); any other URL goes through
     fsspec, whose backend package is imported only then."""
@@ -33,4 +34,6 @@ def open_store(
         return LocalStore(path, tier=tier, create=create)
     from .fsspec_store import FsspecStore
 
-    return FsspecStore(s, storage_options=storage_options, tier=tier)
+    if part_size is None:
+        return FsspecStore(s, storage_options=storage_options, tier=tier)
+    return FsspecStore(s, storage_options=storage_options, tier=tier, part_size=part_size)

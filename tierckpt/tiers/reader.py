@@ -106,7 +106,7 @@ def check_sizes(store: Store, rm: RankManifest) -> None:
 def mismatch_error(store: Store, rm: RankManifest, index: int, digests: list[bytes]) -> CorruptCheckpointError:
     f = rm.files[index]
     folder = layout.step_dir(rm.step)
-    tensors = sorted((t for t in rm.tensors if t.file == index), key=lambda t: t.offset)
+    tensors = sorted((t for t in rm.tensors if t.file == index), key=lambda t: (t.offset, t.offset + t.nbytes))
     what = "header"  # every tensor matching but the file not means the header segment differs
     for t, d in zip(tensors, digests[1:]):
         if d.hex() != t.checksum:
