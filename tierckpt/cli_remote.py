@@ -13,10 +13,14 @@ on stdout and nothing else; a progress bar goes to stderr on a terminal only. Me
   manifests as it arrives; compressed remote files are decompressed, and the rank manifests re-sealed without the
   compression fields, so the local copy is plain safetensors with the same checksums and ``save_id``. It is written
   into a temporary folder and renamed into place (the local commit protocol), so a failed pull leaves nothing visible.
-  The local root's lock is taken for the duration, so a pull never races a live manager.
+  The local root's lock is taken for the duration, so a pull never races a live manager. A local copy of the step
+  from another save (which may exist nowhere else) is replaced only with ``--force``; a damaged one, or one of the
+  same save, is replaced by the verified copy.
 - ``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy` by hand, deleting each
   step ``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests verify and
-  whose files have their recorded sizes (so a damaged newest step cannot cost the last good one).
+  whose files have their recorded sizes (so a damaged newest step cannot cost the last good one). With
+  ``--leftovers`` it also runs the commit protocol's recovery on ROOT (unfinished uploads, files no manifest names);
+  that is opt-in because an upload in progress by another writer looks exactly like a leftover.
 """
 
 from __future__ import annotations
@@ -267,16 +271,26 @@ def cmd_pull(args: argparse.Namespace) -> int:
     local = open_store(args.local, tier="local", create=True)
     fd = _lock_local(local.local_path or args.local.removeprefix("file://"))
     try:
+        from .storage.commit import read_step_manifest
+        from .tiers.reader import read_manifests
+
         total = 0
         try:
-            from .tiers.reader import read_manifests
-
-            total = read_manifests(remote, step)[0].total_bytes
+            theirs = read_manifests(remote, step)[0]
+            total = theirs.total_bytes
         except CheckpointNotFoundError:
             _say(args, f"step {step} is not committed in {remote.url}")
             return EXIT_USAGE
         except CheckpointError:
-            pass  # pull_step reports the damage
+            theirs = None  # pull_step reports the damage
+        try:
+            mine = read_step_manifest(local, layout.step_dir(step), step)
+        except CorruptCheckpointError:
+            mine = None  # a damaged local copy is what a pull repairs
+        if mine is not None and theirs is not None and mine.save_id != theirs.save_id and not args.force:
+            _say(args, f"{_url(local, layout.step_dir(step))} holds another save of step {step} "
+                       f"(save {mine.save_id}, the remote has {theirs.save_id}); --force replaces it")
+            return EXIT_USAGE
         bar = _bar(args, total, f"pull {step}")
         try:
             manifest = pull_step(remote, local, step, threads=args.threads,
@@ -313,6 +327,30 @@ def _manifests_ok(store: Store, step: int) -> bool:
     except (CheckpointError, OSError):
         return False
     return True
+
+
+def _prune_leftovers(args: argparse.Namespace, store: Store, errors: list[str]) -> list[str]:
+    """Run the store's commit-protocol recovery (or, with ``--dry-run``, list what it would touch): unfinished
+    uploads and saves, and files no manifest names. Only safe while nothing writes to the root."""
+    from .storage.commit import protocol_for
+    from .tiers.verify import list_root
+
+    if args.dry_run:
+        found = list_root(store).incomplete
+        if not args.json:
+            for name in found:
+                print(f"would remove leftover {_url(store, name)}")
+        return found
+    try:
+        actions = protocol_for(store).recover(store)
+    except (CheckpointError, OSError) as exc:
+        errors.append(f"leftovers: {exc}")
+        print(f"FAILED to clean leftovers under {store.url}: {exc}", file=sys.stderr)
+        return []
+    if not args.json:
+        for action in actions:
+            print(f"leftover: {action}")
+    return actions
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -357,11 +395,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
             deleted.append(step)
             if not args.json:
                 print(f"deleted step {step} ({where})")
+        leftovers = _prune_leftovers(args, store, errors) if args.leftovers else []
     finally:
         store.close()
     if args.json:
         doc: dict[str, Any] = {"root": store.url, "dry_run": args.dry_run, "ok": not errors, "kept": kept,
-                               "deleted": deleted, "errors": errors}
+                               "deleted": deleted, "errors": errors, "leftovers": leftovers}
         if args.dry_run:
             doc["would_delete"] = doomed
         print(json.dumps(doc))
@@ -404,6 +443,8 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("local", help="local tier root (created if missing)")
     sp.add_argument("--step", type=int, help="the step to pull")
     sp.add_argument("--threads", type=int, default=4, help="files downloaded in parallel (default 4)")
+    sp.add_argument("--force", action="store_true",
+                    help="replace a local copy of the step that comes from another save")
     common(sp)
     sp.set_defaults(fn=_guarded(cmd_pull))
 
@@ -412,5 +453,7 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("--keep", type=int, required=True, help="keep the N newest steps")
     sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep every K-th step")
     sp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    sp.add_argument("--leftovers", action="store_true",
+                    help="also remove leftovers of unfinished saves/uploads (only while nothing writes to ROOT)")
     common(sp)
     sp.set_defaults(fn=_guarded(cmd_prune))

@@ -244,8 +244,13 @@ class CheckpointManager:
         except Exception as exc:  # remote down at start-up: the uploads will retry
             log.warning("tier remote: cannot list %s at start-up: %s", self.remote.url, exc)
             remote_steps = set()
+        policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
         for step in list_root(self.local).steps:
             if step in remote_steps:
+                self._uploaded_remote.add(step)
+            elif step in policy.to_delete(remote_steps | {step}):
+                # remote retention would delete it at once (it removed it before): no upload, and the local
+                # copy counts as replicated for local retention, a newer step being durable remotely
                 self._uploaded_remote.add(step)
             else:
                 log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", step, self.remote.url)
@@ -311,8 +316,7 @@ class CheckpointManager:
             steps = list(list_root(self.remote).steps)
             policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
             for step in policy.to_delete(steps):
-                delete_step(self.remote, step)
-                self._uploaded_remote.discard(step)
+                delete_step(self.remote, step)  # stays in _uploaded_remote: its local copy may go too
         except Exception as exc:
             log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
 

@@ -40,6 +40,8 @@ class Options:
         pos_int("file_size_mb")
         pos_int("upload_threads")
         pos_int("upload_part_mb")
+        if self.upload_part_mb < 5:
+            raise ValueError(f"upload_part_mb must be >= 5 (the S3 multipart minimum), got {self.upload_part_mb!r}")
         for name in ("upload_bandwidth_mbps", "upload_deadline_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
