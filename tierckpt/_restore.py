@@ -77,7 +77,28 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
         step=candidates[0], bad_files=bad, tier=failures[0].tier, path=failures[0].path)
 
 
-def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> None:
+class Prepared:
+    """A step read and verified into a staging slot, not yet applied: ``apply()`` loads it into the state (once),
+    ``release()`` gives the slot back (always; idempotent)."""
+
+    def __init__(self, pool: Any, slot: Any, run: Any) -> None:
+        self._pool, self._slot, self._run = pool, slot, run
+
+    def apply(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            self._pool.release(slot)
+
+
+def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> Prepared:
+    """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
+    in ``state`` until :meth:`Prepared.apply`."""
     manifest, rms = read_manifests(store, step, ranks=[mgr.rank])
     if not rms:
         raise CheckpointNotFoundError(f"rank {mgr.rank} is not in the checkpoint", step=step, tier=store.tier)
@@ -96,19 +117,27 @@ def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping
 
     try:
         views, offsets = load_files(store, rm, alloc, executor=mgr._io)
-        buf: torch.Tensor = holder["slot"].buffer
+    except BaseException:
+        if "slot" in holder:
+            mgr._pool.release(holder["slot"])
+        raise
+    buf: torch.Tensor = holder["slot"].buffer
 
-        def raw(i: int) -> torch.Tensor:
-            rec = rm.tensors[i]
-            start = offsets[rec.file] + rec.offset
-            return buf[start : start + rec.nbytes]
+    def raw(i: int) -> torch.Tensor:
+        rec = rm.tensors[i]
+        start = offsets[rec.file] + rec.offset
+        return buf[start : start + rec.nbytes]
 
+    def run() -> None:
         plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step)
         if store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1:
             _cache_locally(mgr.local, manifest, rm, views)
-    finally:
-        if "slot" in holder:
-            mgr._pool.release(holder["slot"])
+
+    return Prepared(mgr._pool, holder["slot"], run)
+
+
+def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> None:
+    prepare(mgr, store, step, state, strict).apply()
 
 
 def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views: tuple[memoryview, ...]) -> None:

@@ -125,7 +125,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         reports.append(report)
         if not args.json:
             status = "OK" if report.ok else "CORRUPT"
-            print(f"step {step}: {status} ({report.bytes / 2**20:.1f} MiB)")
+            ranks = ""
+            if report.world_size and report.world_size > 1:
+                held = report.ranks if len(report.ranks) < report.world_size else "all"
+                ranks = f", {report.world_size} ranks, shards here: {held}"
+            print(f"step {step}: {status} ({report.bytes / 2**20:.1f} MiB{ranks})")
             for err in report.errors:
                 print(f"  error: {err}")
             for name in report.extra_files:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import _restore, faults
+from . import _restore, _sharded, faults
 from .errors import CheckpointError, CheckpointLockedError
 from .format import layout
 from .format.plan import SnapshotPlan, make_plan
@@ -71,7 +71,8 @@ class CheckpointManager:
         file_size_mb: target size of one data file; large states are split so files write/read in parallel.
         upload_threads / upload_bandwidth_mbps / upload_deadline_s / upload_part_mb / remote_compression /
             verify_uploads: the remote tier's uploader.
-        cache_remote_restores: copy a step restored from the remote tier into the local tier.
+        cache_remote_restores: copy a step restored from the remote tier into the local tier (single-rank jobs).
+        collective_timeout_s: multi-rank jobs: how long a rank waits for the others to agree on a commit.
         pin_memory: pin staging buffers (default: when CUDA is available).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
@@ -98,6 +99,7 @@ class CheckpointManager:
         cache_remote_restores: bool = False,
         pin_memory: bool | None = None,
         log_records: bool = True,
+        collective_timeout_s: float = 600.0,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
         rank: int | None = None,
@@ -109,6 +111,7 @@ class CheckpointManager:
             upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
             cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
+            collective_timeout_s=collective_timeout_s,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -117,15 +120,20 @@ class CheckpointManager:
         self._preemption = Preemption()
         self._slow = SlowSaveMonitor()
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        if self.world_size != 1:
-            raise CheckpointError(
-                f"multi-rank checkpoints (world size {self.world_size}) are not supported by this version yet")
         self.local: LocalStore = LocalStore(local_dir, tier="local")
+        self._coord = None
+        if self.world_size > 1:  # every rank constructs its manager: the groups are created collectively here
+            from .distributed import Coordinator
+
+            self._coord = Coordinator(self.local.root, timeout_s=self.options.collective_timeout_s)
         self._lock_fd = self._lock()
         self.remote = None
         try:
-            for action in protocol_for(self.local).recover(self.local):
-                log.info("tier local: %s under %s", action, self.local.url)
+            if self._coord is None:
+                for action in protocol_for(self.local).recover(self.local):
+                    log.info("tier local: %s under %s", action, self.local.url)
+            else:
+                _sharded.recover_local(self)
             if remote is not None:
                 # No start-up cleanup on the remote: it is shared (other nodes, `tierckpt sync`) and holds no lock of
                 # ours, so another writer's upload in progress must not be mistaken for a leftover. Leftovers there
@@ -205,12 +213,23 @@ class CheckpointManager:
     def _persist_job(self, handle: SaveHandle, slot: staging.Slot, files: list[writer.StagedFile],
                      leaves_meta: list[writer.LeafMeta], tree_json: Any, metadata: Any) -> None:
         step = handle.step
+        released = []
+
+        def release() -> None:  # exactly once: the slot may be re-acquired by the next save() right after
+            if not released:
+                released.append(True)
+                self._pool.release(slot)
+
         try:
-            writer.persist(self.local, step=step, rank=self.rank, world_size=self.world_size,
-                           save_id=layout.new_save_id(), files=files, leaves=leaves_meta, tree=tree_json,
-                           metadata=metadata, executor=self._io)
+            if self._coord is None:
+                writer.persist(self.local, step=step, rank=self.rank, world_size=self.world_size,
+                               save_id=layout.new_save_id(), files=files, leaves=leaves_meta, tree=tree_json,
+                               metadata=metadata, executor=self._io)
+            else:
+                _sharded.persist(self, step=step, sid=_sharded.save_id(self._coord.topology.run_id, step), files=files,
+                                 leaves=leaves_meta, tree=tree_json, metadata=metadata, release=release)
         except BaseException as exc:
-            self._pool.release(slot)
+            release()
             handle._record.error = str(exc)
             self._background_error(exc, f"saving step {step} to the local tier failed")
             handle.persisted.set_exception(exc)
@@ -218,7 +237,7 @@ class CheckpointManager:
                 handle.uploaded.set_exception(exc)
             self._write_record(handle)
             return
-        self._pool.release(slot)
+        release()
         handle._record.persist_s = handle.elapsed()
         self._slow.observe(step, handle._record.persist_s, handle._record.bytes, "local")
         handle.persisted.set_result(handle._record.persist_s)
@@ -245,6 +264,7 @@ class CheckpointManager:
             log.warning("tier remote: cannot list %s at start-up: %s", self.remote.url, exc)
             remote_steps = set()
         policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
+        pending = []
         for step in list_root(self.local).steps:
             if step in remote_steps:
                 self._uploaded_remote.add(step)
@@ -253,8 +273,13 @@ class CheckpointManager:
                 # copy counts as replicated for local retention, a newer step being durable remotely
                 self._uploaded_remote.add(step)
             else:
-                log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", step, self.remote.url)
-                self._enqueue_upload(step, None)
+                pending.append(step)
+        if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what every rank still has
+            everyone = self._coord.gather(pending, self._coord.main_group)
+            pending = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
+        for step in pending:
+            log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", step, self.remote.url)
+            self._enqueue_upload(step, None)
 
     def _upload_loop(self) -> None:
         while True:
@@ -267,13 +292,16 @@ class CheckpointManager:
                 from .tiers import uploader
 
                 assert self.remote is not None
-                uploader.replicate_step(
-                    self.local, self.remote, step, threads=self.options.upload_threads,
-                    part_size=self.options.upload_part_mb << 20,
+                opts = dict(
+                    threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
                     bandwidth_bytes_per_s=None if self.options.upload_bandwidth_mbps is None else self.options.upload_bandwidth_mbps * 1e6,
                     compression=self.options.remote_compression, verify=self.options.verify_uploads,
                     deadline_s=self.options.upload_deadline_s,
                 )
+                if self._coord is None:
+                    uploader.replicate_step(self.local, self.remote, step, **opts)
+                else:
+                    _sharded.upload(self, step, opts)
                 self._uploaded_remote.add(step)
                 self._upload_failed.discard(step)
                 self._uploading_now = None
@@ -298,6 +326,8 @@ class CheckpointManager:
     def _apply_local_retention(self) -> None:
         from .tiers.verify import list_root
 
+        if self._coord is not None and not self._coord.topology.is_node_leader:
+            return  # the node's leader applies retention to the folder its ranks share
         try:
             steps = list(list_root(self.local).steps)
             policy = KeepPolicy(keep_last=self.options.keep_local)
@@ -312,6 +342,8 @@ class CheckpointManager:
         from .tiers.verify import list_root
 
         assert self.remote is not None
+        if self._coord is not None and self._coord.topology.rank != 0:
+            return  # rank 0 applies retention to the shared remote
         try:
             steps = list(list_root(self.remote).steps)
             policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
@@ -383,6 +415,8 @@ class CheckpointManager:
             if fut in self._pending:
                 wait_futures([fut])
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
+        if self._coord is not None:
+            return _sharded.restore(self, state, step, tiers, strict=strict, load=lambda *a: _restore.prepare(self, *a))
         return _restore.restore(self, state, step, tiers, strict=strict)
 
     def latest_step(self) -> int | None:

@@ -23,6 +23,7 @@ class Options:
     cache_remote_restores: bool = False
     pin_memory: bool | None = None
     log_records: bool = True
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -42,7 +43,7 @@ class Options:
         pos_int("upload_part_mb")
         if self.upload_part_mb < 5:
             raise ValueError(f"upload_part_mb must be >= 5 (the S3 multipart minimum), got {self.upload_part_mb!r}")
-        for name in ("upload_bandwidth_mbps", "upload_deadline_s"):
+        for name in ("upload_bandwidth_mbps", "upload_deadline_s", "collective_timeout_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive number or None, got {v!r}")

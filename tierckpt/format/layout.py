@@ -25,7 +25,7 @@ TRASH_PREFIX = ".trash-"
 
 _STEP_RE = re.compile(r"^step-(\d{10,20})$")
 _SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_TMP_RE = re.compile(r"^\.tmp-(step-\d{10,20})-[0-9a-f]{8,32}$")
+_TMP_RE = re.compile(r"^\.tmp-(step-\d{10,20})(?:-r(\d{5}))?-[0-9a-f]{8,32}$")
 
 
 def step_dir(step: int) -> str:
@@ -41,8 +41,16 @@ def new_save_id() -> str:
     return secrets.token_hex(4)
 
 
-def tmp_dir(step: int, save_id: str) -> str:
-    return f"{TMP_PREFIX}{step_dir(step)}-{save_id}"
+def tmp_dir(step: int, save_id: str, rank: int | None = None) -> str:
+    """A save's temporary folder; multi-rank saves add the rank, so each rank only ever cleans up its own."""
+    middle = "" if rank is None else f"-r{rank:05d}"
+    return f"{TMP_PREFIX}{step_dir(step)}{middle}-{save_id}"
+
+
+def tmp_dir_rank(name: str) -> int | None:
+    """The rank in a multi-rank temporary folder's name (None for single-rank ones or other names)."""
+    m = _TMP_RE.match(name)
+    return int(m.group(2)) if m and m.group(2) else None
 
 
 def parse_tmp_dir(name: str) -> str | None:

@@ -58,6 +58,8 @@ class TensorRecord:
     nbytes: int
     checksum: str
     kind: str = "torch"
+    #: For a shard of a distributed tensor (DTensor): where it sits in the global tensor; None otherwise.
+    shard: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,9 @@ class RankManifest:
                 raise CorruptCheckpointError(f"tensors[{i}]: unknown kind {kind!r}", step=step, path=path)
             if tg.int("index") != i:
                 raise CorruptCheckpointError(f"tensors[{i}]: index out of order", step=step, path=path)
+            shard = _shard(td.get("shard"), shape, f"tensors[{i}]", step, path)
             tensors.append(
-                TensorRecord(i, tg.str("name"), tg.str("path"), dtype, shape, fidx, offset, nbytes, tg.str("checksum"), kind)
+                TensorRecord(i, tg.str("name"), tg.str("path"), dtype, shape, fidx, offset, nbytes, tg.str("checksum"), kind, shard)
             )
         world = g.int("world_size")
         rank = g.int("rank")
@@ -168,6 +171,9 @@ class StepManifest:
     total_bytes: int
     metadata: Any = None
     created: float = field(default_factory=time.time)
+    #: Which ranks' shards this copy holds: None for all (remote tiers, single-rank steps); a node-local tier of a
+    #: multi-rank job holds only the ranks of that node.
+    holds_ranks: tuple[int, ...] | None = None
     library_version: str = __version__
     format_version: int = FORMAT_VERSION
     hash_algorithm: str = hashing.ALGORITHM
@@ -201,10 +207,42 @@ class StepManifest:
             library_version=g.str("library_version"),
             format_version=g.int("format_version"),
             hash_algorithm=g.str("hash_algorithm"),
+            holds_ranks=_holds_ranks(d.get("holds_ranks"), world, step, path),
         )
         if step is not None and m.step != step:
             raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}", step=step, path=path)
         return m
+
+
+def _holds_ranks(v: Any, world: int, step: int | None, path: str | None) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if (
+        not isinstance(v, list)
+        or not all(type(r) is int and 0 <= r < world for r in v)
+        or sorted(set(v)) != v
+        or not v
+    ):
+        raise CorruptCheckpointError(f"bad holds_ranks {str(v)[:80]}", step=step, path=path)
+    return tuple(v)
+
+
+def _shard(v: Any, shape: tuple[int, ...], where: str, step: int | None, path: str | None) -> dict[str, Any] | None:
+    """A sharded tensor's place in its global tensor: ``{"global_shape": [...], "offset": [...]}`` (+ free-form
+    ``placements``/``mesh`` strings for humans); the local shard is the box ``offset .. offset + shape``."""
+    if v is None:
+        return None
+    ok = isinstance(v, dict) and isinstance(v.get("global_shape"), list) and isinstance(v.get("offset"), list)
+    if ok:
+        gs, off = v["global_shape"], v["offset"]
+        ok = (
+            len(gs) == len(off) == len(shape)
+            and all(type(x) is int and 0 <= x < (1 << 48) for x in gs + off)
+            and all(o + s <= g for o, s, g in zip(off, shape, gs))
+        )
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: bad shard description {str(v)[:80]}", step=step, path=path)
+    return v
 
 
 def _seal(d: dict[str, Any]) -> bytes:

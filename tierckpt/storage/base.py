@@ -122,6 +122,11 @@ class Store(abc.ABC):
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole small file durably."""
 
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        """Write a whole small file so that readers see the old content or the new, never a torn one. Object
+        stores' PUTs already are; POSIX stores override this with a temporary name and a rename."""
+        self.write_bytes(rel, data)
+
     @abc.abstractmethod
     def remove(self, rel: str) -> None:
         """Remove a file or a folder tree; missing is fine."""

@@ -181,6 +181,18 @@ class LocalStore(Store):
         with self.open_write(rel, size_hint=len(data)) as w:
             w.write(data)
 
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        final = self.path(rel)
+        tmp = f"{final}.{layout.new_save_id()}.part"
+        with _LocalWriteStream(tmp, len(data)) as w:
+            w.write(data)
+        os.rename(tmp, final)
+        fsync_dir(os.path.dirname(final))
+
+    def move_into(self, src: str, dst: str) -> None:
+        """Rename one file within the tier (atomic on POSIX); the destination folder's fsync is the caller's."""
+        os.rename(self.path(src), self.path(dst))
+
     def remove(self, rel: str) -> None:
         p = self.path(rel)
         if not rel:

@@ -37,11 +37,17 @@ class LoadedRank:
 
 
 def read_manifests(store: Store, step: int, *, ranks: list[int] | None = None) -> tuple[StepManifest, list[RankManifest]]:
-    """The verified step manifest and the requested ranks' manifests (all ranks by default)."""
+    """The verified step manifest and the requested ranks' manifests (by default every rank this copy holds: all,
+    or for a node-local copy of a multi-rank step the ranks in its ``holds_ranks``)."""
     folder = layout.step_dir(step)
     manifest = read_step_manifest(store, folder, step)
     if manifest is None:
         raise CheckpointNotFoundError("no committed checkpoint", step=step, tier=store.tier, path=f"{store.url}/{folder}")
+    if ranks is None and manifest.holds_ranks is not None:
+        ranks = list(manifest.holds_ranks)
+    if ranks is not None and manifest.holds_ranks is not None and not set(ranks) <= set(manifest.holds_ranks):
+        raise CheckpointNotFoundError(f"this copy holds ranks {list(manifest.holds_ranks)} only, not {ranks}",
+                                      step=step, tier=store.tier, path=f"{store.url}/{folder}")
     out = []
     for ref in manifest.ranks:
         if ranks is not None and ref.rank not in ranks:

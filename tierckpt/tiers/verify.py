@@ -25,6 +25,8 @@ class StepReport:
     bytes: int = 0
     created: float | None = None
     world_size: int | None = None
+    #: ranks whose shards this copy holds (all of them but on a node-local copy of a multi-rank step)
+    ranks: list[int] = field(default_factory=list)
     bad_files: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     extra_files: list[str] = field(default_factory=list)
@@ -32,7 +34,7 @@ class StepReport:
     def to_json(self) -> dict:
         return {
             "step": self.step, "ok": self.ok, "bytes": self.bytes, "created": self.created,
-            "world_size": self.world_size, "bad_files": self.bad_files, "errors": self.errors,
+            "world_size": self.world_size, "ranks": self.ranks, "bad_files": self.bad_files, "errors": self.errors,
             "extra_files": self.extra_files,
         }
 
@@ -108,6 +110,7 @@ def verify_step(
         report.errors.append(str(exc))
         return report
     report.bytes, report.created, report.world_size = manifest.total_bytes, manifest.created, manifest.world_size
+    report.ranks = [rm.rank for rm in rms]
     own = executor is None
     pool = executor or ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
     try:

@@ -44,6 +44,7 @@ class LeafMeta:
     part: int
     offset: int
     nbytes: int
+    shard: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,45 @@ def _write_file(store: Store, rel: str, f: StagedFile, leaves: list[LeafMeta]) -
     return seg.file_checksum(), seg.digests
 
 
+def write_rank(
+    store: Store,
+    folder: str,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    save_id: str,
+    files: list[StagedFile],
+    leaves: list[LeafMeta],
+    tree: Any,
+    metadata: Any,
+    executor: Executor,
+) -> tuple[RankManifest, bytes, str]:
+    """Write one rank's data files (in parallel, hashed on the way) and then its rank manifest into ``folder``."""
+    names = [layout.data_file_name(rank, f.part, save_id) for f in files]
+    results = list(executor.map(lambda fn: _write_file(store, join(folder, fn[0]), fn[1], leaves), zip(names, files)))
+    file_records = []
+    tensor_sums: dict[int, str] = {}
+    for f, name, (checksum, digests) in zip(files, names, results):
+        file_records.append(FileRecord(name=name, size=len(f.data), checksum=checksum, data_start=f.data_start))
+        for i, d in zip(f.leaves, digests[1:]):
+            tensor_sums[i] = d.hex()
+    tensors = tuple(
+        TensorRecord(i, m.name, m.path, m.dtype, m.shape, m.part, m.offset, m.nbytes, tensor_sums.get(i, ""), m.kind,
+                     m.shard)
+        for i, m in enumerate(leaves)
+    )
+    rank_manifest = RankManifest(
+        step=step, rank=rank, world_size=world_size, save_id=save_id, files=tuple(file_records), tensors=tensors,
+        tree=tree, metadata=metadata,
+    )
+    raw = rank_manifest.to_bytes()
+    rname = layout.rank_manifest_name(rank, save_id)
+    faults.point("before-manifest")
+    store.write_bytes(join(folder, rname), raw)
+    return rank_manifest, raw, rname
+
+
 def persist(
     store: Store,
     *,
@@ -102,26 +142,9 @@ def persist(
     folder = layout.tmp_dir(step, save_id)
     try:
         folder = protocol.begin(store, step, save_id)
-        names = [layout.data_file_name(rank, f.part, save_id) for f in files]
-        results = list(executor.map(lambda fn: _write_file(store, join(folder, fn[0]), fn[1], leaves), zip(names, files)))
-        file_records = []
-        tensor_sums: dict[int, str] = {}
-        for f, name, (checksum, digests) in zip(files, names, results):
-            file_records.append(FileRecord(name=name, size=len(f.data), checksum=checksum, data_start=f.data_start))
-            for i, d in zip(f.leaves, digests[1:]):
-                tensor_sums[i] = d.hex()
-        tensors = tuple(
-            TensorRecord(i, m.name, m.path, m.dtype, m.shape, m.part, m.offset, m.nbytes, tensor_sums.get(i, ""), m.kind)
-            for i, m in enumerate(leaves)
-        )
-        rank_manifest = RankManifest(
-            step=step, rank=rank, world_size=world_size, save_id=save_id, files=tuple(file_records), tensors=tensors,
-            tree=tree, metadata=metadata,
-        )
-        raw = rank_manifest.to_bytes()
-        rname = layout.rank_manifest_name(rank, save_id)
-        faults.point("before-manifest")
-        store.write_bytes(join(folder, rname), raw)
+        rank_manifest, raw, rname = write_rank(store, folder, step=step, rank=rank, world_size=world_size,
+                                               save_id=save_id, files=files, leaves=leaves, tree=tree,
+                                               metadata=metadata, executor=executor)
         manifest = StepManifest(
             step=step, world_size=world_size, save_id=save_id,
             ranks=(RankRef(rank, rname, len(raw), hashing.digest(raw).hex()),),

@@ -1,0 +1,209 @@
+"""The manager's multi-rank paths: agreeing on commits and on the step to restore (see :mod:`.tiers.sharded` for the
+protocol on storage and :mod:`.distributed` for the groups the agreements run on)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from .format import layout
+from .format.manifest import RankRef, StepManifest
+from .storage.base import Store
+from .storage.commit import read_step_manifest
+from .tiers import sharded
+from .tiers.verify import list_root
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+
+def save_id(run_id: str, step: int) -> str:
+    """The same on every rank without a message: a hash of the run's id (agreed at start-up) and the step."""
+    return xxhash.xxh3_64_hexdigest(f"{run_id}:{step}".encode())
+
+
+def persist(mgr: CheckpointManager, *, step: int, sid: str, files: list, leaves: list, tree: Any, metadata: Any,
+            release: Callable[[], None]) -> StepManifest:
+    """Write this rank's shard, agree with every rank, commit on this node. Raises if any rank failed."""
+    coord = mgr._coord
+    assert coord is not None
+    topo = coord.topology
+    outcome: tuple[Any, ...]
+    try:
+        rm, ref = sharded.persist_shard(mgr.local, step=step, rank=topo.rank, world_size=topo.world_size, save_id=sid,
+                                        files=files, leaves=leaves, tree=tree, metadata=metadata, executor=mgr._io)
+        outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), metadata)
+    except Exception as exc:
+        log.error("tier local: rank %d could not write its shard of step %d: %s", topo.rank, step, exc)
+        outcome = (False, f"{type(exc).__name__}: {exc}", 0, 0.0, None)
+    finally:
+        release()
+    everyone = _gather(coord, outcome, step, "shards written")
+    failed = {r: o[1] for r, o in enumerate(everyone) if not o[0]}
+    if failed:
+        sharded.discard_shard(mgr.local, step, topo.rank, sid)
+        raise CheckpointError(f"step not committed: rank(s) {sorted(failed)} failed to save: "
+                              + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), step=step, tier="local",
+                              path=mgr.local.url)
+    manifest = StepManifest(
+        step=step, world_size=topo.world_size, save_id=sid,
+        ranks=tuple(RankRef(*o[1]) for o in everyone), total_bytes=sum(o[2] for o in everyone),
+        metadata=everyone[0][4], created=everyone[0][3], holds_ranks=topo.node_ranks,
+    )
+    ok: tuple[bool, str] = (True, "")
+    if topo.is_node_leader:
+        try:
+            mgr_commit(mgr, manifest)
+        except Exception as exc:
+            ok = (False, f"{type(exc).__name__}: {exc}")
+    confirmed = _gather(coord, ok, step, "committed on every node")
+    bad = {r: o[1] for r, o in enumerate(confirmed) if not o[0]}
+    if bad:
+        raise CheckpointError(f"step not committed on the node(s) of rank(s) {sorted(bad)}: {bad}", step=step,
+                              tier="local", path=mgr.local.url)
+    return manifest
+
+
+def mgr_commit(mgr: CheckpointManager, manifest: StepManifest) -> None:
+    sharded.commit_step(mgr.local, manifest)
+    log.info("tier local: committed step %d (ranks %s of %d) at %s", manifest.step, list(manifest.holds_ranks or ()),
+             manifest.world_size, mgr.local.url)
+
+
+def _gather(coord: Any, obj: Any, step: int, what: str) -> list[Any]:
+    try:
+        return coord.gather(obj, coord.persist_group)
+    except Exception as exc:  # a rank died or hung: gloo times out
+        raise CheckpointError(f"ranks could not agree ({what}); a rank may have died: {exc}", step=step) from exc
+
+
+def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any]) -> None:
+    """This rank's shard to the remote; rank 0 commits the step there once every shard is in."""
+    assert mgr.remote is not None and mgr._coord is not None
+    rank = mgr._coord.topology.rank
+    local_manifest = read_step_manifest(mgr.local, layout.step_dir(step), step)
+    if local_manifest is None:
+        raise CheckpointNotFoundError("no committed local copy to upload", step=step, tier="local", path=mgr.local.url)
+    try:
+        remote_manifest = read_step_manifest(mgr.remote, layout.step_dir(step), step)
+    except CorruptCheckpointError:
+        remote_manifest = None
+    if remote_manifest is not None and remote_manifest.save_id == local_manifest.save_id:
+        return
+    sharded.upload_shard(mgr.local, mgr.remote, step, rank, **opts)
+    if rank == 0:
+        sharded.commit_remote(mgr.remote, local_manifest, deadline_s=opts.get("deadline_s"))
+    else:
+        sharded.wait_remote_commit(mgr.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
+
+
+def candidates(mgr: CheckpointManager, tiers: list[Store]) -> dict[int, list[Store]]:
+    """Steps committed in some tier that holds this rank's shard, with the tiers to try, local first."""
+    rank = mgr._coord.topology.rank if mgr._coord is not None else mgr.rank
+    out: dict[int, list[Store]] = {}
+    for store in tiers:
+        try:
+            steps = list_root(store).steps
+        except OSError as exc:
+            log.warning("tier %s: cannot list %s: %s", store.tier, store.url, exc)
+            continue
+        for s in steps:
+            if sharded.holds_rank(store, s, rank):
+                out.setdefault(s, []).append(store)
+    return out
+
+
+def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
+            strict: bool, load: Callable[..., Any]) -> int | None:
+    """Every rank loads the same step: the newest that every rank can load intact from some tier."""
+    coord = mgr._coord
+    assert coord is not None
+    mine = candidates(mgr, tiers)
+    everyone = coord.gather(sorted(mine), coord.main_group)
+    common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+    if step is not None:
+        if step not in common:
+            missing = [r for r, c in enumerate(everyone) if step not in c]
+            raise CheckpointNotFoundError(f"rank(s) {missing} find no committed copy of this step", step=step,
+                                          path=", ".join(t.url for t in tiers))
+        order = [step]
+    else:
+        if not any(everyone):
+            return None
+        order = sorted(common, reverse=True)
+    errors: list[str] = []
+    for s in order:
+        prepared = None
+        outcome: tuple[str, str] = ("ok", "")
+        for store in mine.get(s, []):
+            try:
+                prepared = load(store, s, state, strict)
+                break
+            except StateMismatchError as exc:
+                outcome = ("mismatch", str(exc))
+                break
+            except CorruptCheckpointError as exc:
+                log.warning("restore: rank %d: step %d in tier %s is corrupt (%s); files: %s", coord.topology.rank, s,
+                            store.tier, exc, ", ".join(exc.bad_files) or "?")
+                outcome = ("corrupt", str(exc))
+        if prepared is None and outcome[0] == "ok":
+            outcome = ("corrupt", "no tier holds an intact copy")
+        results = coord.gather(outcome if prepared is None else ("ok", ""), coord.main_group)
+        mismatches = [(r, m) for r, (k, m) in enumerate(results) if k == "mismatch"]
+        if mismatches:
+            if prepared is not None:
+                prepared.release()
+            raise StateMismatchError(f"rank {mismatches[0][0]}: {mismatches[0][1]}", step=s)
+        bad = [(r, m) for r, (k, m) in enumerate(results) if k != "ok"]
+        if not bad:
+            assert prepared is not None
+            prepared.apply()
+            return s
+        if prepared is not None:
+            prepared.release()
+        errors.append(f"step {s}: " + "; ".join(f"rank {r}: {m}" for r, m in bad))
+        log.warning("restore: step %d is not intact for rank(s) %s; trying an older step", s, [r for r, _ in bad])
+    if step is None and not order:
+        raise CorruptCheckpointError("no step is committed for every rank (ranks hold different steps)",
+                                     path=", ".join(t.url for t in tiers))
+    raise CorruptCheckpointError("no step is intact for every rank: " + " | ".join(errors),
+                                 step=order[0] if order else step, path=", ".join(t.url for t in tiers))
+
+
+def recover_local(mgr: CheckpointManager) -> None:
+    """Start-up cleanup of a node-local folder shared by several ranks: each rank removes its own temporary
+    folders; the node's leader removes trash, manifest-less step folders and files of failed saves. A barrier
+    follows, so that no rank starts saving into a folder the leader is still cleaning."""
+    coord = mgr._coord
+    assert coord is not None
+    topo = coord.topology
+    store = mgr.local
+    for name in store.list(""):
+        if layout.parse_tmp_dir(name) is not None and layout.tmp_dir_rank(name) == topo.rank:
+            store.remove(name)
+            log.info("tier local: rank %d removed its leftover %s", topo.rank, name)
+    if topo.is_node_leader:
+        for name in store.list(""):
+            if name.startswith(layout.TRASH_PREFIX):
+                store.remove(name)
+                continue
+            step = layout.parse_step_dir(name)
+            if step is None:
+                continue
+            try:
+                m = read_step_manifest(store, name, step)
+            except CorruptCheckpointError:
+                continue  # damaged: leave it for an operator; restore skips it
+            if m is None:
+                store.remove(name)
+                log.info("tier local: removed incomplete multi-rank step folder %s", name)
+            else:
+                sharded.commit_step_cleanup(store, m)
+    coord.gather(None, coord.main_group)

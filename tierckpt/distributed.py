@@ -1,0 +1,70 @@
+"""torch.distributed glue: the manager's own gloo groups, node leaders, and the agreements a multi-rank job needs.
+
+The manager never runs a collective on the training process group. It creates two gloo groups of its own at
+construction (a collective call every rank makes in the same order, from the main thread): one used only by the
+persist thread (to agree that every rank's shard is durable before a step is committed), one used only by the
+caller's thread (construction and restore). Each group is used by exactly one thread, in the same order on every rank
+(the steps in order), so collectives never interleave. The upload thread coordinates through the remote storage
+only. A rank that dies makes the others' next collective fail after ``collective_timeout_s`` with an error naming the
+step; the step is then committed nowhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    #: ranks that share this rank's local folder (same host and path), this rank included, sorted
+    node_ranks: tuple[int, ...]
+    #: an id shared by every rank of this run of the job; save ids derive from it and the step
+    run_id: str
+
+    @property
+    def is_node_leader(self) -> bool:
+        return self.rank == self.node_ranks[0]
+
+
+class Coordinator:
+    """The manager's gloo groups and the collectives it runs on them."""
+
+    def __init__(self, local_dir: str, *, timeout_s: float) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CheckpointError("a multi-rank CheckpointManager needs torch.distributed to be initialised")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.persist_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.main_group = dist.new_group(backend="gloo", timeout=timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        me = (socket.gethostname(), os.path.realpath(local_dir), rank, secrets.token_hex(8))
+        everyone = self.gather(me, self.main_group)
+        node = tuple(sorted(r for host, path, r, _ in everyone if (host, path) == me[:2]))
+        self.topology = Topology(rank, world, node, everyone[0][3])
+        log.info("rank %d of %d: local folder shared with ranks %s; run %s", rank, world, list(node), self.topology.run_id)
+
+    @staticmethod
+    def gather(obj: Any, group: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def destroy(self) -> None:
+        for g in (self.persist_group, self.main_group):
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # the default group may already be gone at interpreter exit
+                pass

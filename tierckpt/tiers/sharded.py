@@ -1,0 +1,215 @@
+"""Multi-rank steps: every rank commits its own shard; a step manifest listing all ranks commits the step.
+
+Local tier (node-local; the ranks of one node share one folder), for each rank:
+
+1. write the rank's data files, then its rank manifest, into ``.tmp-step-<N>-r<rank>-<save id>/`` (each fsync-ed);
+2. move them into ``step-<N>/`` (renames within one file system: data files first, the rank manifest last) and
+   fsync ``step-<N>/``: the rank's shard is now durable, but no step manifest names it yet;
+3. (the manager's gloo group agrees that *every* rank got here; a failure anywhere stops here, for everyone);
+4. the node's leader (its lowest rank) writes ``step-<N>/manifest.json`` atomically (temporary name, rename, fsync),
+   listing every rank of the job and, in ``holds_ranks``, the ranks whose shards this node holds;
+5. the leader removes files of older saves of step N from the folder (names carry the save id, which all ranks share).
+
+Remote tier (shared by all ranks), for each rank: upload its data files and its rank manifest into ``step-<N>/``.
+Rank 0 then waits until every rank manifest is there, reads each (its exact bytes give the size and checksum that
+the step manifest records; a rank manifest re-sealed by compression differs from the local one), and writes
+``manifest.json`` last; the other ranks wait for it to appear. Coordination on the remote goes through the storage
+only: no collective runs in an upload thread.
+
+A step folder without ``manifest.json`` is never a checkpoint, whatever shards it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Executor
+from typing import Any
+
+from .. import faults
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UploadError
+from ..format import hashing, layout
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
+from ..storage.base import Store, join
+from ..storage.commit import read_step_manifest
+from ..storage.local import LocalStore
+from ..storage.retry import RetryPolicy
+from .reader import read_manifests
+from .writer import LeafMeta, StagedFile, write_rank
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+def persist_shard(
+    store: LocalStore,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    save_id: str,
+    files: list[StagedFile],
+    leaves: list[LeafMeta],
+    tree: Any,
+    metadata: Any,
+    executor: Executor,
+) -> tuple[RankManifest, RankRef]:
+    """Steps 1-2: this rank's shard durable inside ``step-<N>/``, not yet part of any committed step."""
+    tmp = layout.tmp_dir(step, save_id, rank)
+    folder = layout.step_dir(step)
+    store.makedirs(tmp)
+    try:
+        rm, raw, rname = write_rank(store, tmp, step=step, rank=rank, world_size=world_size, save_id=save_id,
+                                   files=files, leaves=leaves, tree=tree, metadata=metadata, executor=executor)
+        store.sync_dir(tmp)
+        store.makedirs(folder)
+        for f in rm.files:
+            store.move_into(join(tmp, f.name), join(folder, f.name))
+        store.move_into(join(tmp, rname), join(folder, rname))
+        store.sync_dir(folder)
+    finally:
+        store.remove(tmp)
+    return rm, RankRef(rank, rname, len(raw), hashing.digest(raw).hex())
+
+
+def discard_shard(store: Store, step: int, rank: int, save_id: str) -> None:
+    """After a failed multi-rank save: remove this rank's files of that save, unless a manifest names them."""
+    folder = layout.step_dir(step)
+    try:
+        m = read_step_manifest(store, folder, step)
+    except CorruptCheckpointError:
+        m = None
+    if m is not None and m.save_id == save_id:
+        return
+    prefix = f"r{rank:05d}-"
+    for name in store.list(folder):
+        if name.startswith(prefix) and f"-{save_id}." in name:
+            store.remove(join(folder, name))
+    if not store.list(folder):
+        store.remove(folder)
+
+
+def commit_step(store: Store, manifest: StepManifest) -> None:
+    """Steps 4-5 (and the remote commit): ``manifest.json`` last and atomically, then older saves' files go."""
+    folder = layout.step_dir(manifest.step)
+    faults.point("before-rename")
+    store.put_atomic(join(folder, layout.STEP_MANIFEST), manifest.to_bytes())
+    faults.point("after-rename")
+    commit_step_cleanup(store, manifest)
+
+
+def commit_step_cleanup(store: Store, manifest: StepManifest) -> None:
+    """Remove files in the step folder that belong to another save of the step (by rank held here)."""
+    folder = layout.step_dir(manifest.step)
+    holds = set(manifest.holds_ranks) if manifest.holds_ranks is not None else None
+    for name in store.list(folder):
+        if name == layout.STEP_MANIFEST or f"-{manifest.save_id}." in name:
+            continue
+        rank = _rank_of(name)
+        if holds is None or rank in holds:
+            store.remove(join(folder, name))
+
+
+def _rank_of(name: str) -> int | None:
+    if len(name) > 6 and name[0] == "r" and name[1:6].isdigit():
+        return int(name[1:6])
+    return None
+
+
+def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> None:
+    """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job)."""
+    from .uploader import TokenBucket, _bytes_job, _Ctx, _file_job, _run_all, _StepFailed
+
+    threads = opts.get("threads", 4)
+    part_size = opts.get("part_size", 8 << 20)
+    bw = opts.get("bandwidth_bytes_per_s")
+    deadline_s = opts.get("deadline_s")
+    ctx = _Ctx(step, remote, opts.get("retry") or RetryPolicy(),
+               None if deadline_s is None else time.monotonic() + deadline_s, opts.get("cancel"),
+               TokenBucket(bw, burst=min(part_size, bw)) if bw else None, opts.get("progress"))
+    _manifest, rms = read_manifests(local, step, ranks=[rank])
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {rank} has no shard of this step locally", step=step, tier=local.tier)
+    rm = rms[0]
+    folder = layout.step_dir(step)
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierckpt-upload-{step}")
+    try:
+        remote.makedirs(folder)
+        jobs = [(join(folder, rec.name), _file_job(local, remote, ctx, rm, i, folder, join(folder, rec.name), part_size,
+                                                   opts.get("compression"), opts.get("compression_level", 3),
+                                                   opts.get("verify", False)))
+                for i, rec in enumerate(rm.files)]
+        results = _run_all(pool, ctx, jobs)
+        records = tuple(r[0] for r in results)
+        new = dataclasses.replace(rm, files=records) if records != rm.files else rm
+        raw = new.to_bytes() if new is not rm else local.read_bytes(
+            join(folder, layout.rank_manifest_name(rank, rm.save_id)), max_size=MAX_MANIFEST_BYTES)
+        rel = join(folder, layout.rank_manifest_name(rank, rm.save_id))
+        faults.point("before-remote-manifest")
+        _run_all(pool, ctx, [(rel, _bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False)))])
+    except _StepFailed as failed:
+        raise UploadError(f"rank {rank}: cannot upload its shard: {failed.exc}", step=step, tier=remote.tier,
+                          path=f"{remote.url}/{failed.rel}") from failed.exc
+    finally:
+        ctx.stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def commit_remote(remote: Store, manifest: StepManifest, *, deadline_s: float | None) -> StepManifest:
+    """Rank 0: wait until every rank manifest is on the remote, then write ``manifest.json`` there."""
+    folder = layout.step_dir(manifest.step)
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    refs: dict[int, RankRef] = {}
+    while True:
+        for ref in manifest.ranks:
+            if ref.rank in refs:
+                continue
+            rel = join(folder, ref.name)
+            try:
+                raw = remote.read_bytes(rel, max_size=MAX_MANIFEST_BYTES)
+                rm = RankManifest.from_bytes(raw, step=manifest.step, path=f"{remote.url}/{rel}")
+            except (FileNotFoundError, CorruptCheckpointError):
+                continue  # not there yet, or still being written by a POSIX writer
+            if rm.rank != ref.rank or rm.save_id != manifest.save_id:
+                continue
+            refs[ref.rank] = RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex())
+        if len(refs) == len(manifest.ranks):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            missing = sorted(r.rank for r in manifest.ranks if r.rank not in refs)
+            raise UploadError(f"ranks {missing} did not upload their shards in time; the step is not committed remotely",
+                              step=manifest.step, tier=remote.tier, path=f"{remote.url}/{folder}")
+        time.sleep(POLL_S)
+    final = dataclasses.replace(manifest, ranks=tuple(refs[r.rank] for r in manifest.ranks), holds_ranks=None)
+    commit_step(remote, final)
+    return final
+
+
+def wait_remote_commit(remote: Store, step: int, save_id: str, *, deadline_s: float | None) -> None:
+    """Ranks other than 0: wait until rank 0 committed the step on the remote."""
+    folder = layout.step_dir(step)
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    while True:
+        try:
+            m = read_step_manifest(remote, folder, step)
+        except CorruptCheckpointError:
+            m = None
+        if m is not None and m.save_id == save_id:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise UploadError("rank 0 did not commit the step on the remote in time", step=step, tier=remote.tier,
+                              path=f"{remote.url}/{folder}")
+        time.sleep(POLL_S)
+
+
+def holds_rank(store: Store, step: int, rank: int) -> bool:
+    """Whether ``store`` has a committed ``step`` whose manifest says it holds ``rank``'s shard."""
+    try:
+        m = read_step_manifest(store, layout.step_dir(step), step)
+    except (CheckpointError, OSError):
+        return True  # let the loader find out and report it
+    return m is not None and (m.holds_ranks is None or rank in m.holds_ranks)
