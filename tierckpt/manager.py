@@ -193,7 +193,8 @@ class CheckpointManager:
             self._pool.release(slot)
             raise
         leaves_meta = [
-            writer.LeafMeta(leaf.name, leaf.path, leaf.dtype, leaf.shape, leaf.kind, locations[i][0], locations[i][1], leaf.nbytes)
+            writer.LeafMeta(leaf.name, leaf.path, leaf.dtype, leaf.shape, leaf.kind, locations[i][0], locations[i][1],
+                            leaf.nbytes, leaf.shard)
             for i, leaf in enumerate(flat.leaves)
         ]
         files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, tuple(t.leaf for t in f.tensors))

@@ -188,6 +188,8 @@ class StepManifest:
         d = _unseal(raw, FORMAT + ".step", step=step, path=path)
         g = _Getter(d, step, path)
         world = g.int("world_size")
+        if len(g.list("ranks")) != world:
+            raise CorruptCheckpointError(f"manifest lists {len(g.list('ranks'))} ranks for world size {world}", step=step, path=path)
         ranks = []
         for i, rd in enumerate(g.list("ranks")):
             rg = _Getter(rd, step, path, f"ranks[{i}]")
@@ -245,6 +247,16 @@ def _shard(v: Any, shape: tuple[int, ...], where: str, step: int | None, path: s
     return v
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a JSON object with a repeated key is malformed (readers could disagree on it)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r}")
+    return d
+
+
 def _seal(d: dict[str, Any]) -> bytes:
     d.pop("checksum", None)
     d["checksum"] = hashing.json_checksum(d)
@@ -255,7 +267,7 @@ def _unseal(raw: bytes, kind: str, *, step: int | None, path: str | None) -> dic
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", step=step, path=path)
     try:
-        d = json.loads(raw.decode("utf-8"))
+        d = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"unreadable manifest: {exc}", step=step, path=path) from None
     if not isinstance(d, dict) or d.get("format") != kind:

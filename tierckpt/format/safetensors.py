@@ -64,7 +64,9 @@ def parse_header_length(prefix: bytes, file_size: int, *, where: str = "") -> in
 def parse_header(raw: bytes, data_size: int, *, where: str = "") -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     """Parse and check a header: known dtypes, sane shapes, offsets that tile ``[0, data_size)`` exactly."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        from .manifest import unique_keys
+
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"unreadable safetensors header{where}: {exc}") from None
     if not isinstance(obj, dict):

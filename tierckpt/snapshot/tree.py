@@ -28,6 +28,7 @@ import torch
 from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format.manifest import TensorRecord
 from ..format.plan import LeafSpec
+from .dtensor import is_dtensor, shard_info, target_box
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
 
 #: Trees deeper than this are refused when decoding (a hostile manifest could otherwise exhaust the stack).
@@ -43,6 +44,7 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    shard: dict[str, Any] | None = None  # DTensor shards: place in the global tensor
 
     def spec(self) -> LeafSpec:
         return LeafSpec(self.name, self.dtype, self.shape, self.nbytes)
@@ -83,7 +85,7 @@ class _Flattener:
         self.names.add(name)
         return name
 
-    def add_tensor(self, t: torch.Tensor, path: str, parts: list[str]) -> int:
+    def add_tensor(self, t: torch.Tensor, path: str, parts: list[str], shard: dict[str, Any] | None = None) -> int:
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise TypeError(f"cannot checkpoint {t.layout} / quantized / meta tensor at {path}")
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
@@ -98,7 +100,7 @@ class _Flattener:
                 return self.seen[key]
         idx = len(self.leaves)
         nbytes = t.numel() * t.element_size()
-        self.leaves.append(Leaf(path, self.leaf_name(parts), t.detach(), "torch", code, tuple(t.shape), nbytes))
+        self.leaves.append(Leaf(path, self.leaf_name(parts), t.detach(), "torch", code, tuple(t.shape), nbytes, shard))
         if key is not None:
             self.seen[key] = idx
         return idx
@@ -122,6 +124,14 @@ class _Flattener:
             return {"$float": float(obj).hex()}
         if isinstance(obj, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(obj)).decode()}
+        if is_dtensor(obj):
+            local, info, writer = shard_info(obj)
+            code = TORCH_TO_CODE.get(local.dtype)
+            if code is None:
+                raise TypeError(f"cannot checkpoint tensor of dtype {local.dtype} at {path}")
+            if writer:  # a replicated shard is stored by one rank only
+                self.add_tensor(local, path, parts, shard=info)
+            return {"$dtensor": path, "global_shape": info["global_shape"], "dtype": code}
         if isinstance(obj, torch.Tensor):
             return {"$tensor": self.add_tensor(obj, path, parts)}
         if isinstance(obj, np.ndarray):
@@ -185,10 +195,12 @@ TensorSource = Callable[[int], torch.Tensor]
 class _Decoder:
     """Turns tree nodes into Python values. ``tensor(i)`` returns a view of loaded bytes (not owned)."""
 
-    def __init__(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None) -> None:
+    def __init__(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
+                 dtensor: Callable[[str], Any] | None = None) -> None:
         self.records = records
         self.tensor = tensor
         self.step = step
+        self.dtensor = dtensor
 
     def bad(self, msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"malformed state tree: {msg}", step=self.step)
@@ -209,9 +221,13 @@ class _Decoder:
             return node
         if isinstance(node, list):
             return [self.decode(v, own=own, depth=depth + 1) for v in node]
-        if not isinstance(node, dict) or len(node) not in (1, 2):
+        if not isinstance(node, dict) or len(node) not in (1, 2, 3):
             raise self.bad(f"unexpected node {str(node)[:80]}")
         tag = next(iter(node))
+        if tag == "$dtensor":
+            if self.dtensor is None or not isinstance(node[tag], str):
+                raise self.bad("a distributed tensor where none was expected")
+            return self.dtensor(node[tag])
         if tag == "$float":
             try:
                 return float.fromhex(node[tag])
@@ -282,12 +298,18 @@ class _Decoder:
 class RestorePlan:
     """Checked actions, applied only after the checkpoint's bytes are loaded and verified."""
 
-    actions: list[Callable[[_Decoder], None]] = field(default_factory=list)
+    #: each action decodes what it needs and returns the closure that changes the state
+    actions: list[Callable[[_Decoder], Callable[[], None]]] = field(default_factory=list)
+    #: key path -> (live target, saved dtype code, saved global shape) of every distributed-tensor leaf
+    dtensor_targets: dict[str, tuple[Any, str, tuple[int, ...]]] = field(default_factory=dict)
 
-    def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None) -> None:
-        dec = _Decoder(records, tensor, step=step)
-        for action in self.actions:
-            action(dec)
+    def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
+              dtensor: Callable[[str], Any] | None = None) -> None:
+        dec = _Decoder(records, tensor, step=step, dtensor=dtensor)
+        # decode everything first (a malformed node raises here, before the state is touched), then commit
+        commits = [action(dec) for action in self.actions]
+        for commit in commits:
+            commit()
 
 
 def _mismatch(msg: str, path: str, step: int | None) -> StateMismatchError:
@@ -353,6 +375,11 @@ class _Checker:
             if not is_stateful(cur):
                 raise _mismatch(f"checkpoint holds an object with state_dict() but the state has {type(cur).__name__}", path, self.step)
             self.stateful(cur, node["$stateful"], path)
+        elif _is_tag(node, "$dtensor"):
+            if not isinstance(cur, torch.Tensor):
+                raise _mismatch(f"checkpoint holds a distributed tensor but the state has {type(cur).__name__}", path, self.step)
+            self.check_dtensor(cur, node, path)
+            self.plan.actions.append(_dtensor_copier(cur, node["$dtensor"]))
         elif _is_tag(node, "$tensor"):
             rec = self.record(node, "$tensor", "torch", path)
             if not isinstance(cur, torch.Tensor):
@@ -391,23 +418,49 @@ class _Checker:
                 if missing:
                     raise _mismatch(f"key {missing[0]!r} of module missing from checkpoint", path, self.step)
             for k, rec in saved.items():
-                if k in live and isinstance(live[k], torch.Tensor) and rec is not None:
+                if k in live and isinstance(live[k], torch.Tensor) and isinstance(rec, dict):
+                    self.check_dtensor(live[k], rec, f"{path}[{k!r}]")
+                elif k in live and isinstance(live[k], torch.Tensor) and rec is not None:
                     self.check_tensor(live[k], rec, f"{path}[{k!r}]")
             strict = self.strict
-            self.plan.actions.append(lambda dec: _load_module(obj, dec.decode(node, own=False), strict, path, dec.step))
-        else:
-            self.plan.actions.append(lambda dec: _load_object(obj, dec.decode(node, own=True), path, dec.step))
 
-    def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | None]:
+            def load_module(dec: _Decoder) -> Callable[[], None]:
+                sd = dec.decode(node, own=False)
+                return lambda: _load_module(obj, sd, strict, path, dec.step)
+
+            self.plan.actions.append(load_module)
+        else:
+
+            def load_object(dec: _Decoder) -> Callable[[], None]:
+                sd = dec.decode(node, own=True)
+                return lambda: _load_object(obj, sd, path, dec.step)
+
+            self.plan.actions.append(load_object)
+
+    def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | dict | None]:
         if not (_is_tag(node, "$dict") or _is_tag(node, "$odict")):
             raise CorruptCheckpointError(f"malformed state tree: module state at {path} is not a mapping", step=self.step)
-        out: dict[str, TensorRecord | None] = {}
+        out: dict[str, TensorRecord | dict | None] = {}
         for pair in node.get("$dict", node.get("$odict")):
             if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise CorruptCheckpointError(f"malformed module state at {path}", step=self.step)
             k, v = pair
-            out[k] = self.record(v, "$tensor", "torch", path) if _is_tag(v, "$tensor") else None
+            if _is_tag(v, "$dtensor"):
+                out[k] = v
+            else:
+                out[k] = self.record(v, "$tensor", "torch", path) if _is_tag(v, "$tensor") else None
         return out
+
+    def check_dtensor(self, cur: torch.Tensor, node: dict, path: str) -> None:
+        gshape, code, key = node.get("global_shape"), node.get("dtype"), node.get("$dtensor")
+        if not isinstance(gshape, list) or not isinstance(key, str) or code not in CODE_TO_TORCH:
+            raise CorruptCheckpointError(f"malformed distributed tensor at {path}", step=self.step)
+        live_shape, _off, _shape = target_box(cur)
+        if tuple(live_shape) != tuple(gshape):
+            raise _mismatch(f"global shape mismatch: checkpoint {gshape}, state {list(live_shape)}", path, self.step)
+        if TORCH_TO_CODE.get(cur.dtype) != code:
+            raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH[code]}, state {cur.dtype}", path, self.step)
+        self.plan.dtensor_targets[key] = (cur, code, tuple(gshape))
 
     def check_tensor(self, cur: torch.Tensor, rec: TensorRecord, path: str) -> None:
         if tuple(cur.shape) != rec.shape:
@@ -420,27 +473,60 @@ def _no_tensor(i: int) -> torch.Tensor:
     raise CorruptCheckpointError("malformed state tree: tensor used as a dict key")
 
 
-def _copier(dst: torch.Tensor, i: int) -> Callable[[_Decoder], None]:
-    def run(dec: _Decoder) -> None:
-        with torch.no_grad():
-            dst.copy_(dec.tensor(i))
+def _dtensor_copier(dst: torch.Tensor, key: str) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        assert dec.dtensor is not None
+        value = dec.dtensor(key)
+        src = value.to_local() if is_dtensor(value) else value
 
-    return run
+        def commit() -> None:
+            with torch.no_grad():
+                (dst.to_local() if is_dtensor(dst) else dst).copy_(src)
+
+        return commit
+
+    return prepare
 
 
-def _np_copier(dst: np.ndarray, i: int) -> Callable[[_Decoder], None]:
-    return lambda dec: np.copyto(dst, dec.array(i))
+def _copier(dst: torch.Tensor, i: int) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        src = dec.tensor(i)
+
+        def commit() -> None:
+            with torch.no_grad():
+                dst.copy_(src)
+
+        return commit
+
+    return prepare
 
 
-def _gen_setter(gen: torch.Generator, i: int) -> Callable[[_Decoder], None]:
-    return lambda dec: gen.set_state(dec.tensor(i).clone())
+def _np_copier(dst: np.ndarray, i: int) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        arr = dec.array(i)
+        return lambda: np.copyto(dst, arr)
+
+    return prepare
 
 
-def _setter(parent: Any, key: Any, node: Any) -> Callable[[_Decoder], None]:
-    def run(dec: _Decoder) -> None:
-        parent[key] = dec.decode(node, own=True)
+def _gen_setter(gen: torch.Generator, i: int) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        st = dec.tensor(i).clone()
+        return lambda: gen.set_state(st)
 
-    return run
+    return prepare
+
+
+def _setter(parent: Any, key: Any, node: Any) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        value = dec.decode(node, own=True)
+
+        def commit() -> None:
+            parent[key] = value
+
+        return commit
+
+    return prepare
 
 
 def _load_module(module: torch.nn.Module, sd: Any, strict: bool, path: str, step: int | None) -> None:

@@ -159,7 +159,7 @@ class LocalStore(Store):
             size = os.fstat(f.fileno()).st_size
             if size > max_size:
                 raise CheckpointError(f"file is {size} bytes, more than the {max_size} allowed", tier=self.tier, path=p)
-            return f.read(max_size + 1)
+            return f.read(min(size, max_size) + 1)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

@@ -564,9 +564,20 @@ list_remote_steps = list_steps
 
 
 def delete_step(store: Store, step: int) -> None:
-    """Remove a step from a store (retention): ``manifest.json`` first, so that the step stops being a checkpoint
-    before any of its data goes (a crash half-way leaves an incomplete folder, never a corrupt checkpoint)."""
+    """Remove a step from a store (retention) so that it stops being a checkpoint before any of its data goes.
+
+    POSIX stores: the folder is renamed to a ``.trash-`` name in one atomic step (start-up recovery removes what a
+    crash leaves of it). Object stores: ``manifest.json`` first (a crash half-way leaves an incomplete folder, never
+    a corrupt checkpoint), then the rest."""
     folder = layout.step_dir(step)
+    if store.atomic_rename:
+        trash = layout.trash_dir(folder)
+        store.replace_dir(folder, trash)
+        store.sync_dir("")
+        faults.point("retention")
+        store.remove(trash)
+        log.info("step %d, tier %s: deleted %s", step, store.tier, _url(store, folder))
+        return
     store.remove(join(folder, layout.STEP_MANIFEST))
     try:
         store.sync_dir(folder)

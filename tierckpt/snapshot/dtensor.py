@@ -1,0 +1,122 @@
+"""Distributed tensors (DTensor, as FSDP2 and tensor parallelism produce them): saving local shards with their place
+in the global tensor, and assembling any target shard from saved shards of any other layout (resharding).
+
+Saving: each DTensor leaf stores its local shard (contiguous, row-major) with ``shard = {"global_shape", "offset",
+"placements", "mesh"}``. A shard that several ranks hold identically (``Replicate`` on some mesh dimension) is
+written only by the rank at coordinate 0 of those dimensions, so replicated data is stored once; the other ranks
+record the leaf without data.
+
+Restoring: a target (a live DTensor, or a plain tensor standing for the whole global tensor) covers a box of the
+global tensor; every saved shard of the same key path whose box overlaps it contributes that overlap. Each source
+shard is read whole and checked against its checksum before a byte of it is used; the overlaps must cover the
+target exactly, or the checkpoint is corrupt. ``Shard(dim)`` (even or uneven) and ``Replicate`` placements on any
+mesh, in any combination, are supported; ``Partial`` placements are refused at save time (reduce them first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..format.manifest import TensorRecord
+from .dtypes import CODE_TO_TORCH
+
+
+def is_dtensor(obj: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(obj, DTensor)
+
+
+def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
+    """(global offset of this rank's shard, whether this rank writes it) for a DTensor ``t``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, t.placements
+    for p in placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise TypeError(f"cannot checkpoint a DTensor with placement {p}: reduce Partial placements first")
+    _shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    coord = mesh.get_coordinate()
+    writer = coord is not None and all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
+    return tuple(offset), writer
+
+
+def shard_info(t: Any) -> tuple[torch.Tensor, dict[str, Any], bool]:
+    """The local shard (contiguous), its shard description, and whether this rank stores it."""
+    offset, writer = local_box(t)
+    local = t.to_local()
+    info = {
+        "global_shape": list(t.shape),
+        "offset": list(offset),
+        "placements": [str(p) for p in t.placements],
+        "mesh": str(t.device_mesh.mesh.tolist()),
+    }
+    return local, info, writer
+
+
+def target_box(live: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offset, local shape) that a live target covers."""
+    if is_dtensor(live):
+        offset, _ = local_box(live)
+        return tuple(live.shape), offset, tuple(live.to_local().shape)
+    return tuple(live.shape), (0,) * live.dim(), tuple(live.shape)
+
+
+def assemble(
+    path: str,
+    dtype_code: str,
+    global_shape: tuple[int, ...],
+    offset: tuple[int, ...],
+    shape: tuple[int, ...],
+    sources: Iterable[tuple[TensorRecord, Callable[[], torch.Tensor]]],
+    *,
+    step: int | None,
+) -> torch.Tensor:
+    """Build the box ``offset .. offset+shape`` of the global tensor from saved shards.
+
+    ``sources`` are (record, read) pairs; ``read()`` returns the record's verified bytes as uint8. Only shards that
+    overlap the box are read.
+    """
+    out = torch.empty(shape, dtype=CODE_TO_TORCH[dtype_code])
+    covered = 0
+    for rec, read in sources:
+        sh = rec.shard
+        assert sh is not None
+        if tuple(sh["global_shape"]) != global_shape:
+            raise CorruptCheckpointError(f"saved shards of {path} disagree on the global shape", step=step)
+        if rec.dtype != dtype_code:
+            raise CorruptCheckpointError(f"saved shards of {path} disagree on the dtype", step=step)
+        s_off = tuple(sh["offset"])
+        lo = [max(a, b) for a, b in zip(offset, s_off)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, s_off, rec.shape)]
+        if any(h <= low for low, h in zip(lo, hi)) and math.prod(shape) > 0:
+            continue
+        src = read()
+        src = src.view(CODE_TO_TORCH[rec.dtype]).view(rec.shape) if rec.nbytes else torch.empty(rec.shape)
+        src_sl = tuple(slice(a - b, h - b) for a, h, b in zip(lo, hi, s_off))
+        dst_sl = tuple(slice(a - b, h - b) for a, h, b in zip(lo, hi, offset))
+        out[dst_sl].copy_(src[src_sl])
+        covered += math.prod(h - a for a, h in zip(lo, hi))
+    if covered != math.prod(shape):
+        raise CorruptCheckpointError(
+            f"saved shards of {path} cover {covered} of the {math.prod(shape)} elements this rank needs", step=step)
+    return out
+
+
+def to_live_layout(live: Any, local: torch.Tensor) -> Any:
+    """A value shaped like ``live`` holding ``local`` (its box): a DTensor with the same mesh and placements, or the
+    plain tensor itself."""
+    if is_dtensor(live):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local.to(live.to_local().device), live.device_mesh, live.placements,
+                                  shape=live.shape, stride=live.stride(), run_check=False)
+    return local
