@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import MutableMapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from .format import hashing, layout
 from .format.manifest import RankManifest, RankRef, StepManifest
+from .snapshot.dtensor import assemble, target_box, to_live_layout
 from .snapshot.tree import plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
@@ -99,14 +101,19 @@ class Prepared:
 def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> Prepared:
     """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
     in ``state`` until :meth:`Prepared.apply`."""
-    manifest, rms = read_manifests(store, step, ranks=[mgr.rank])
+    manifest, _ = read_manifests(store, step, ranks=[])
+    # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
+    # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
+    src = mgr.rank if mgr.rank < manifest.world_size else 0
+    _, rms = read_manifests(store, step, ranks=[src])
     if not rms:
-        raise CheckpointNotFoundError(f"rank {mgr.rank} is not in the checkpoint", step=step, tier=store.tier)
+        raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
     rm = rms[0]
-    if rm.world_size != mgr.world_size:
-        raise CorruptCheckpointError(
-            f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}", step=step, tier=store.tier)
     plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step)  # raises before any I/O
+    if rm.world_size != mgr.world_size and not plan.dtensor_targets:
+        raise StateMismatchError(
+            f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed tensors "
+            "(DTensor/FSDP2 state) can be resharded", step=step, tier=store.tier)
     holder: dict[str, Any] = {}
 
     def alloc(n: int) -> memoryview:
@@ -128,8 +135,15 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         start = offsets[rec.file] + rec.offset
         return buf[start : start + rec.nbytes]
 
+    try:
+        assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw))
+    except BaseException:
+        mgr._pool.release(holder["slot"])
+        raise
+
     def run() -> None:
-        plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step)
+        plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step,
+                   dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]))
         if store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1:
             _cache_locally(mgr.local, manifest, rm, views)
 
@@ -164,3 +178,62 @@ def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views
     except Exception as exc:
         protocol.abort(local, folder, step)
         log.warning("restore: could not cache step %d into the local tier %s: %s", step, local.url, exc)
+
+
+def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManifest,
+                       targets: dict[str, tuple[Any, str, tuple[int, ...]]], *,
+                       own: tuple[int, RankManifest, Any]) -> dict[str, torch.Tensor]:
+    """Each distributed-tensor target's box, from the saved shards that overlap it (read whole and verified).
+
+    Shards of this rank's own saved manifest come from the bytes already loaded; the others are read from the first
+    tier that holds their rank (the local tier of a node holds its own ranks; the remote holds all)."""
+    if not targets:
+        return {}
+    src, own_rm, own_raw = own
+    tiers = [t for t in (store, mgr.local, mgr.remote) if t is not None]
+    manifests: dict[int, tuple[Store, RankManifest]] = {src: (store, own_rm)}
+    for ref in manifest.ranks:
+        if ref.rank in manifests:
+            continue
+        for tier in tiers:
+            try:
+                _m, rms = read_manifests(tier, manifest.step, ranks=[ref.rank])
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                continue
+            if rms and rms[0].save_id == own_rm.save_id:
+                manifests[ref.rank] = (tier, rms[0])
+                break
+    by_path: dict[str, list[tuple[Any, Any]]] = {}
+    for rank, (tier, rm) in manifests.items():
+        for rec in rm.tensors:
+            if rec.shard is None or rec.path not in targets:
+                continue
+            reader = partial(own_raw, rec.index) if rank == src else partial(_read_record, tier, rm, rec)
+            by_path.setdefault(rec.path, []).append((rec, reader))
+    out = {}
+    for path, (live, code, gshape) in targets.items():
+        _g, offset, shape = target_box(live)
+        out[path] = assemble(path, code, gshape, offset, shape, by_path.get(path, []), step=manifest.step)
+    return out
+
+
+def _read_record(store: Store, rm: RankManifest, rec: Any) -> torch.Tensor:
+    """One tensor's bytes from a rank's data file, verified against its checksum."""
+    f = rm.files[rec.file]
+    rel = join(layout.step_dir(rm.step), f.name)
+    if f.compression:
+        from .tiers.uploader import fetch_file
+
+        whole = bytearray(f.size)
+        fetch_file(store, layout.step_dir(rm.step), f, memoryview(whole))
+        data = bytes(memoryview(whole)[rec.offset : rec.offset + rec.nbytes])
+    else:
+        buf = bytearray(rec.nbytes)
+        if store.readinto(rel, rec.offset, memoryview(buf)) != rec.nbytes:
+            raise CorruptCheckpointError(f"{f.name} ends inside tensor {rec.path}", step=rm.step, tier=store.tier,
+                                         path=f"{store.url}/{rel}", bad_files=[f.name])
+        data = bytes(buf)
+    if hashing.digest(data).hex() != rec.checksum:
+        raise CorruptCheckpointError(f"checksum mismatch in {f.name} (tensor {rec.path})", step=rm.step,
+                                     tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
