@@ -430,6 +430,11 @@ class _Checker:
 
             self.plan.actions.append(load_module)
         else:
+            if _contains_tag(node, "$dtensor"):
+                raise _mismatch(
+                    f"{type(obj).__name__} state holds distributed tensors (DTensor) but nothing live to load them into; "
+                    "checkpoint get_optimizer_state_dict(model, optimizer) instead and load it back with "
+                    "set_optimizer_state_dict", path, self.step)
 
             def load_object(dec: _Decoder) -> Callable[[], None]:
                 sd = dec.decode(node, own=True)
@@ -467,6 +472,16 @@ class _Checker:
             raise _mismatch(f"shape mismatch: checkpoint {list(rec.shape)}, state {list(cur.shape)}", path, self.step)
         if TORCH_TO_CODE.get(cur.dtype) != rec.dtype:
             raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH.get(rec.dtype)}, state {cur.dtype}", path, self.step)
+
+
+def _contains_tag(node: Any, tag: str, depth: int = 0) -> bool:
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(node, dict):
+        return tag in node or any(_contains_tag(v, tag, depth + 1) for v in node.values())
+    if isinstance(node, list):
+        return any(_contains_tag(v, tag, depth + 1) for v in node)
+    return False
 
 
 def _no_tensor(i: int) -> torch.Tensor:
