@@ -36,19 +36,25 @@ def persist(mgr: CheckpointManager, *, step: int, sid: str, files: list, leaves:
     assert coord is not None
     topo = coord.topology
     outcome: tuple[Any, ...]
+    written = False
     try:
         rm, ref = sharded.persist_shard(mgr.local, step=step, rank=topo.rank, world_size=topo.world_size, save_id=sid,
                                         files=files, leaves=leaves, tree=tree, metadata=metadata, executor=mgr._io)
         outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), metadata)
+        written = True
     except Exception as exc:
         log.error("tier local: rank %d could not write its shard of step %d: %s", topo.rank, step, exc)
         outcome = (False, f"{type(exc).__name__}: {exc}", 0, 0.0, None)
     finally:
         release()
-    everyone = _gather(coord, outcome, step, "shards written")
+    coord.announce(sid, "written" if written else "failed")
+    everyone = _gather(coord, outcome, step, "shards written", sid)
     failed = {r: o[1] for r, o in enumerate(everyone) if not o[0]}
     if failed:
-        sharded.discard_shard(mgr.local, step, topo.rank, sid)
+        try:
+            sharded.discard_shard(mgr.local, step, topo.rank, sid)
+        except Exception as exc:  # best effort: the error that names the failing rank matters more
+            log.warning("tier local: rank %d could not remove its shard of failed step %d: %s", topo.rank, step, exc)
         raise CheckpointError(f"step not committed: rank(s) {sorted(failed)} failed to save: "
                               + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), step=step, tier="local",
                               path=mgr.local.url)
@@ -63,7 +69,7 @@ def persist(mgr: CheckpointManager, *, step: int, sid: str, files: list, leaves:
             mgr_commit(mgr, manifest)
         except Exception as exc:
             ok = (False, f"{type(exc).__name__}: {exc}")
-    confirmed = _gather(coord, ok, step, "committed on every node")
+    confirmed = _gather(coord, ok, step, "committed on every node", sid)
     bad = {r: o[1] for r, o in enumerate(confirmed) if not o[0]}
     if bad:
         raise CheckpointError(f"step not committed on the node(s) of rank(s) {sorted(bad)}: {bad}", step=step,
@@ -77,11 +83,14 @@ def mgr_commit(mgr: CheckpointManager, manifest: StepManifest) -> None:
              manifest.world_size, mgr.local.url)
 
 
-def _gather(coord: Any, obj: Any, step: int, what: str) -> list[Any]:
+def _gather(coord: Any, obj: Any, step: int, what: str, sid: str) -> list[Any]:
     try:
         return coord.gather(obj, coord.persist_group)
     except Exception as exc:  # a rank died or hung: gloo times out
-        raise CheckpointError(f"ranks could not agree ({what}); a rank may have died: {exc}", step=step) from exc
+        silent = coord.silent_ranks(sid)
+        who = (", ".join(f"rank {r}" for r in silent) + " never reached it (died or hung)") if silent \
+            else "a rank may have died"
+        raise CheckpointError(f"step not committed: ranks could not agree ({what}); {who}: {exc}", step=step) from exc
 
 
 def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any]) -> None:
@@ -147,7 +156,7 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
                 prepared = load(store, s, state, strict)
                 break
             except StateMismatchError as exc:
-                outcome = ("mismatch", str(exc))
+                outcome = ("mismatch", exc.detail)
                 break
             except CorruptCheckpointError as exc:
                 log.warning("restore: rank %d: step %d in tier %s is corrupt (%s); files: %s", coord.topology.rank, s,

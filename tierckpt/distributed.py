@@ -56,6 +56,23 @@ class Coordinator:
         self.topology = Topology(rank, world, node, everyone[0][3])
         log.info("rank %d of %d: local folder shared with ranks %s; run %s", rank, world, list(node), self.topology.run_id)
 
+    def announce(self, sid: str, what: str) -> None:
+        """Leave a note in the job's c10d store (TCPStore/FileStore, outside any collective) that this rank reached
+        the agreement of save ``sid``, so that if the collective then fails the others can name the rank that
+        never arrived. Best effort: without a default store the error just cannot name it."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"tierckpt/{sid}/r{self.topology.rank}", what)
+        except Exception:  # pragma: no cover - private API moved, or no store
+            pass
+
+    def silent_ranks(self, sid: str) -> list[int]:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            return [r for r in range(self.topology.world_size) if not store.check([f"tierckpt/{sid}/r{r}"])]
+        except Exception:  # pragma: no cover
+            return []
+
     @staticmethod
     def gather(obj: Any, group: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size()

@@ -74,6 +74,10 @@ class CheckpointManager:
         cache_remote_restores: copy a step restored from the remote tier into the local tier (single-rank jobs).
         collective_timeout_s: multi-rank jobs: how long a rank waits for the others to agree on a commit.
         pin_memory: pin staging buffers (default: when CUDA is available).
+        lazy_snapshot: ``save()`` returns before the copy; it runs while the next forward/backward runs, and
+            :meth:`snapshot_barrier` (automatic before ``optimizer.step()``) waits for it. Tensors changed in place
+            before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
+            by hand.
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
@@ -99,6 +103,7 @@ class CheckpointManager:
         cache_remote_restores: bool = False,
         pin_memory: bool | None = None,
         log_records: bool = True,
+        lazy_snapshot: bool = False,
         collective_timeout_s: float = 600.0,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
@@ -111,7 +116,7 @@ class CheckpointManager:
             upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
             cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
-            collective_timeout_s=collective_timeout_s,
+            collective_timeout_s=collective_timeout_s, lazy_snapshot=lazy_snapshot,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -149,6 +154,9 @@ class CheckpointManager:
         self._copy_stream = torch.cuda.Stream() if cuda else None
         self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-persist")
+        self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-snapshot")
+        self._lazy_pending: set[Future] = set()
+        self._hooks: dict[int, Any] = {}
         self._plan: SnapshotPlan | None = None
         self._locations: list[tuple[int, int]] = []
         self._last_step: int | None = None
@@ -186,12 +194,18 @@ class CheckpointManager:
             self._locations = staging.leaf_locations(self._plan)
         plan, locations = self._plan, self._locations
         slot = self._pool.acquire(plan.buffer_bytes)
-        try:
-            faults.point("staging")
-            staging.copy_into(slot, plan, locations, flat.leaves, copy_stream=self._copy_stream)
-        except BaseException:
-            self._pool.release(slot)
-            raise
+        leaves = flat.leaves
+
+        def stage() -> None:
+            try:
+                faults.point("staging")
+                staging.copy_into(slot, plan, locations, leaves, copy_stream=self._copy_stream)
+            except BaseException:
+                self._pool.release(slot)
+                raise
+            finally:
+                leaves.clear()  # drop references to the caller's tensors
+
         leaves_meta = [
             writer.LeafMeta(leaf.name, leaf.path, leaf.dtype, leaf.shape, leaf.kind, locations[i][0], locations[i][1],
                             leaf.nbytes, leaf.shard)
@@ -199,17 +213,59 @@ class CheckpointManager:
         ]
         files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, tuple(t.leaf for t in f.tensors))
                  for f in plan.files]
-        del flat.leaves  # drop references to the caller's tensors
-        stall = handle.elapsed()
+        if not self.options.lazy_snapshot:
+            stage()
         rec = handle._record
-        rec.bytes, rec.tensors, rec.files, rec.stall_s = plan.total_bytes, len(leaves_meta), len(files), stall
-        handle.staged.set_result(stall)
+        rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
         self._last_step = step
         self._clock.saved(step)
-        fut = self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata)
-        self._track(fut)
-        log.debug("save step %d: staged %.1f MiB in %.3f s", step, plan.total_bytes / 2**20, stall)
+        job = (handle, slot, files, leaves_meta, flat.tree, metadata)
+        if self.options.lazy_snapshot:
+            self._watch_optimizers(state)
+            fut = self._snapshotter.submit(self._lazy_stage, stage, job)
+            self._lazy_pending.add(fut)
+            fut.add_done_callback(self._lazy_pending.discard)
+            self._track(fut)
+            rec.stall_s = handle.elapsed()
+        else:
+            rec.stall_s = handle.elapsed()
+            handle.staged.set_result(rec.stall_s)
+            self._track(self._persist.submit(self._persist_job, *job))
+        log.debug("save step %d: %s %.1f MiB in %.3f s", step, "queued" if self.options.lazy_snapshot else "staged",
+                  plan.total_bytes / 2**20, rec.stall_s)
         return handle
+
+    # ------------------------------------------------------------------------------------------------ lazy snapshot
+    def _lazy_stage(self, stage: Any, job: tuple) -> None:
+        handle = job[0]
+        try:
+            stage()
+        except BaseException as exc:
+            self._background_error(exc, f"snapshot of step {handle.step} failed")
+            for f in (handle.staged, handle.persisted, handle.uploaded):
+                f.set_exception(exc)
+            return
+        handle.staged.set_result(handle.elapsed())
+        self._track(self._persist.submit(self._persist_job, *job))
+
+    def snapshot_barrier(self) -> None:
+        """Lazy snapshots: block until every snapshot taken so far is in host memory, so the state's tensors may
+        change. Called automatically before ``optimizer.step()`` of every optimizer found in a saved state, and by
+        ``restore()``; a no-op in the default (eager) mode."""
+        pending = list(self._lazy_pending)
+        if pending:
+            wait_futures(pending)
+
+    def _watch_optimizers(self, state: Any, depth: int = 0) -> None:
+        if depth > 3:
+            return
+        values = state.values() if isinstance(state, Mapping) else state if isinstance(state, (list, tuple)) else ()
+        for v in values:
+            if isinstance(v, torch.optim.Optimizer):
+                if id(v) not in self._hooks:
+                    self._hooks[id(v)] = v.register_step_pre_hook(lambda *_a, **_k: self.snapshot_barrier())
+            elif isinstance(v, (Mapping, list, tuple)):
+                self._watch_optimizers(v, depth + 1)
 
     def _persist_job(self, handle: SaveHandle, slot: staging.Slot, files: list[writer.StagedFile],
                      leaves_meta: list[writer.LeafMeta], tree_json: Any, metadata: Any) -> None:
@@ -412,6 +468,7 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int or None, got {step!r}")
         if source == "remote" and self.remote is None:
             raise ValueError("source='remote' but this manager has no remote tier")
+        self.snapshot_barrier()
         for fut in list(self._pending):  # a save still being written locally is restorable once it commits
             if fut in self._pending:
                 wait_futures([fut])
@@ -485,10 +542,16 @@ class CheckpointManager:
             self._uploads.put(None)
             if self._upload_thread is not None:
                 self._upload_thread.join(timeout=timeout)
+            self._snapshotter.shutdown(wait=True)
             self._persist.shutdown(wait=True)
+            for h in self._hooks.values():
+                h.remove()
+            self._hooks.clear()
             self._io.shutdown(wait=True)
             self._pool.close()
             self._preemption.uninstall()
+            if self._coord is not None:
+                self._coord.destroy()
             if self.remote is not None:
                 self.remote.close()
             self._unlock()

@@ -97,8 +97,8 @@ def assemble(
         s_off = tuple(sh["offset"])
         lo = [max(a, b) for a, b in zip(offset, s_off)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, s_off, rec.shape)]
-        if any(h <= low for low, h in zip(lo, hi)) and math.prod(shape) > 0:
-            continue
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue  # no overlap (also: an empty target overlaps nothing)
         src = read()
         src = src.view(CODE_TO_TORCH[rec.dtype]).view(rec.shape) if rec.nbytes else torch.empty(rec.shape)
         src_sl = tuple(slice(a - b, h - b) for a, h, b in zip(lo, hi, s_off))

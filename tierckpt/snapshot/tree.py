@@ -361,6 +361,7 @@ class _Checker:
             if key not in cur:
                 if self.strict:
                     raise _mismatch("unexpected key in checkpoint (not in the state; strict=False allows it)", sub, self.step)
+                self.free_dtensors(pair[1], sub)
                 self.plan.actions.append(_setter(cur, key, pair[1]))
                 continue
             self.value(cur, key, pair[1], sub, depth + 1)
@@ -414,6 +415,9 @@ class _Checker:
                 extra = [k for k in saved if k not in live]
                 if extra:
                     raise _mismatch(f"unexpected key {extra[0]!r} in checkpoint for module", path, self.step)
+            for k, rec in saved.items():
+                if k not in live and isinstance(rec, dict):
+                    self.free_dtensors(rec, f"{path}[{k!r}]")
                 missing = [k for k in live if k not in saved]
                 if missing:
                     raise _mismatch(f"key {missing[0]!r} of module missing from checkpoint", path, self.step)
@@ -455,6 +459,23 @@ class _Checker:
             else:
                 out[k] = self.record(v, "$tensor", "torch", path) if _is_tag(v, "$tensor") else None
         return out
+
+    def free_dtensors(self, node: Any, path: str, depth: int = 0) -> None:
+        """Distributed tensors with no live counterpart (strict=False) come back as full plain tensors."""
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError("malformed state tree: too deep", step=self.step)
+        if _is_tag(node, "$dtensor"):
+            gshape, code, key = node.get("global_shape"), node.get("dtype"), node.get("$dtensor")
+            if (not isinstance(gshape, list) or not all(type(d) is int and 0 <= d < (1 << 40) for d in gshape)
+                    or not isinstance(key, str) or code not in CODE_TO_TORCH):
+                raise CorruptCheckpointError(f"malformed distributed tensor at {path}", step=self.step)
+            self.plan.dtensor_targets[key] = (torch.empty(gshape, dtype=CODE_TO_TORCH[code]), code, tuple(gshape))
+        elif isinstance(node, dict):
+            for v in node.values():
+                self.free_dtensors(v, path, depth + 1)
+        elif isinstance(node, list):
+            for v in node:
+                self.free_dtensors(v, path, depth + 1)
 
     def check_dtensor(self, cur: torch.Tensor, node: dict, path: str) -> None:
         gshape, code, key = node.get("global_shape"), node.get("dtype"), node.get("$dtensor")

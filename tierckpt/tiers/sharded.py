@@ -74,12 +74,12 @@ def persist_shard(
     return rm, RankRef(rank, rname, len(raw), hashing.digest(raw).hex())
 
 
-def discard_shard(store: Store, step: int, rank: int, save_id: str) -> None:
+def discard_shard(store: LocalStore, step: int, rank: int, save_id: str) -> None:
     """After a failed multi-rank save: remove this rank's files of that save, unless a manifest names them."""
     folder = layout.step_dir(step)
     try:
         m = read_step_manifest(store, folder, step)
-    except CorruptCheckpointError:
+    except (CorruptCheckpointError, OSError):
         m = None
     if m is not None and m.save_id == save_id:
         return
@@ -87,7 +87,7 @@ def discard_shard(store: Store, step: int, rank: int, save_id: str) -> None:
     for name in store.list(folder):
         if name.startswith(prefix) and f"-{save_id}." in name:
             store.remove(join(folder, name))
-    if not store.list(folder):
+    if store.isdir(folder) and not store.list(folder):
         store.remove(folder)
 
 
