@@ -19,7 +19,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismat
 from .format import hashing, layout
 from .format.manifest import RankManifest, RankRef, StepManifest
 from .snapshot.dtensor import assemble, target_box, to_live_layout
-from .snapshot.tree import plan_restore, tensor_view_factory
+from .snapshot.load import plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.reader import load_files, read_manifests

@@ -28,21 +28,19 @@ from typing import Any
 
 import torch
 
-from . import _restore, _sharded, faults
+from . import _replication, _restore, _sharded, faults
 from .errors import CheckpointError, CheckpointLockedError
 from .format import layout
 from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
 from .options import Options, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
-from .retention import KeepPolicy
 from .snapshot import staging, tree
 from .status import StepInfo, list_steps
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
 from .tiers import writer
-from .tiers.uploader import delete_step
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +171,7 @@ class CheckpointManager:
         if self.remote is not None:
             self._upload_thread = threading.Thread(target=self._upload_loop, name="tierckpt-upload", daemon=True)
             self._upload_thread.start()
-            self._resume_uploads()
+            _replication.resume_uploads(self)
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
@@ -307,107 +305,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ remote
     def _enqueue_upload(self, step: int, handle: SaveHandle | None) -> None:
-        fut: Future = Future()
-        self._track(fut)
-        self._uploads.put((step, handle, fut))  # type: ignore[arg-type]
-
-    def _resume_uploads(self) -> None:
-        from .tiers.verify import list_root
-
-        assert self.remote is not None
-        try:
-            remote_steps = set(list_root(self.remote).steps)
-        except Exception as exc:  # remote down at start-up: the uploads will retry
-            log.warning("tier remote: cannot list %s at start-up: %s", self.remote.url, exc)
-            remote_steps = set()
-        policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
-        pending = []
-        for step in list_root(self.local).steps:
-            if step in remote_steps:
-                self._uploaded_remote.add(step)
-            elif step in policy.to_delete(remote_steps | {step}):
-                # remote retention would delete it at once (it removed it before): no upload, and the local
-                # copy counts as replicated for local retention, a newer step being durable remotely
-                self._uploaded_remote.add(step)
-            else:
-                pending.append(step)
-        if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what every rank still has
-            everyone = self._coord.gather(pending, self._coord.main_group)
-            pending = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
-        for step in pending:
-            log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", step, self.remote.url)
-            self._enqueue_upload(step, None)
+        _replication.enqueue_upload(self, step, handle)
 
     def _upload_loop(self) -> None:
-        while True:
-            item = self._uploads.get()
-            if item is None:
-                return
-            step, handle, fut = item  # type: ignore[misc]
-            self._uploading_now = step
-            try:
-                from .tiers import uploader
+        _replication.upload_loop(self)
 
-                assert self.remote is not None
-                opts = dict(
-                    threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
-                    bandwidth_bytes_per_s=None if self.options.upload_bandwidth_mbps is None else self.options.upload_bandwidth_mbps * 1e6,
-                    compression=self.options.remote_compression, verify=self.options.verify_uploads,
-                    deadline_s=self.options.upload_deadline_s,
-                )
-                if self._coord is None:
-                    uploader.replicate_step(self.local, self.remote, step, **opts)
-                else:
-                    _sharded.upload(self, step, opts)
-                self._uploaded_remote.add(step)
-                self._upload_failed.discard(step)
-                self._uploading_now = None
-                if handle is not None:
-                    handle._record.upload_s = handle.elapsed()
-                    handle.uploaded.set_result(handle._record.upload_s)
-                    self._write_record(handle)
-                self._apply_remote_retention()
-                self._apply_local_retention()
-                fut.set_result(None)
-            except BaseException as exc:
-                self._upload_failed.add(step)
-                self._uploading_now = None
-                self._background_error(exc, f"uploading step {step} to the remote tier failed (the local copy is kept)")
-                if handle is not None:
-                    handle._record.error = str(exc)
-                    handle.uploaded.set_exception(exc)
-                    self._write_record(handle)
-                fut.set_result(None)
-
-    # ------------------------------------------------------------------------------------------------ retention
     def _apply_local_retention(self) -> None:
-        from .tiers.verify import list_root
-
-        if self._coord is not None and not self._coord.topology.is_node_leader:
-            return  # the node's leader applies retention to the folder its ranks share
-        try:
-            steps = list(list_root(self.local).steps)
-            policy = KeepPolicy(keep_last=self.options.keep_local)
-            for step in policy.to_delete(steps):
-                if self.remote is not None and step not in self._uploaded_remote:
-                    continue  # never drop the only durable copy
-                delete_step(self.local, step)
-        except Exception as exc:
-            log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
-
-    def _apply_remote_retention(self) -> None:
-        from .tiers.verify import list_root
-
-        assert self.remote is not None
-        if self._coord is not None and self._coord.topology.rank != 0:
-            return  # rank 0 applies retention to the shared remote
-        try:
-            steps = list(list_root(self.remote).steps)
-            policy = KeepPolicy(keep_last=self.options.keep_remote, keep_every=self.options.keep_every)
-            for step in policy.to_delete(steps):
-                delete_step(self.remote, step)  # stays in _uploaded_remote: its local copy may go too
-        except Exception as exc:
-            log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
+        _replication.apply_local_retention(self)
 
     # ------------------------------------------------------------------------------------------------ policy
     def install_signal_handlers(self, signals=DEFAULT_SIGNALS) -> None:

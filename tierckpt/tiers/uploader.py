@@ -571,6 +571,8 @@ def delete_step(store: Store, step: int) -> None:
     a corrupt checkpoint), then the rest."""
     folder = layout.step_dir(step)
     if store.atomic_rename:
+        if not store.exists(folder):
+            return
         trash = layout.trash_dir(folder)
         store.replace_dir(folder, trash)
         store.sync_dir("")

@@ -1,0 +1,430 @@
+"""Decoding a state tree and loading it into a live state in place (the inverse of :mod:`.tree`).
+
+Invariants:
+- decoding accepts exactly the tags :mod:`.tree` writes, checks every tensor index and nesting depth, and never
+  evaluates or imports anything named in the tree;
+- loading is two-phase: :func:`plan_restore` checks every key, shape and dtype against the live state and raises
+  :class:`StateMismatchError` before anything is read; :meth:`RestorePlan.apply` first decodes every value (a
+  malformed node raises here, with the state untouched) and only then changes the state.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError, StateMismatchError
+from ..format.manifest import TensorRecord
+from .dtensor import is_dtensor, target_box
+from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
+from .tree import MAX_DEPTH, is_stateful
+
+TensorSource = Callable[[int], torch.Tensor]
+
+
+class _Decoder:
+    """Turns tree nodes into Python values. ``tensor(i)`` returns a view of loaded bytes (not owned)."""
+
+    def __init__(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
+                 dtensor: Callable[[str], Any] | None = None) -> None:
+        self.records = records
+        self.tensor = tensor
+        self.step = step
+        self.dtensor = dtensor
+
+    def bad(self, msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"malformed state tree: {msg}", step=self.step)
+
+    def index(self, node: dict, tag: str, kind: str) -> int:
+        i = node[tag]
+        if type(i) is not int or not 0 <= i < len(self.records) or self.records[i].kind != kind:
+            raise self.bad(f"bad {tag} reference {i!r}")
+        return i
+
+    def decode(self, node: Any, *, own: bool, depth: int = 0) -> Any:
+        """``own``: copy tensors out of the loading buffers (for values the caller keeps)."""
+        if depth > MAX_DEPTH:
+            raise self.bad(f"nested deeper than {MAX_DEPTH}")
+        if node is None or isinstance(node, (bool, str)):
+            return node
+        if isinstance(node, int):
+            return node
+        if isinstance(node, list):
+            return [self.decode(v, own=own, depth=depth + 1) for v in node]
+        if not isinstance(node, dict) or len(node) not in (1, 2, 3):
+            raise self.bad(f"unexpected node {str(node)[:80]}")
+        tag = next(iter(node))
+        if tag == "$dtensor":
+            if self.dtensor is None or not isinstance(node[tag], str):
+                raise self.bad("a distributed tensor where none was expected")
+            return self.dtensor(node[tag])
+        if tag == "$float":
+            try:
+                return float.fromhex(node[tag])
+            except (TypeError, ValueError):
+                raise self.bad(f"bad float {node[tag]!r}") from None
+        if tag == "$bytes":
+            try:
+                return base64.b64decode(node[tag], validate=True)
+            except (TypeError, ValueError):
+                raise self.bad("bad bytes") from None
+        if tag in ("$dict", "$odict"):
+            items = node[tag]
+            if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+                raise self.bad("bad dict")
+            cls = collections.OrderedDict if tag == "$odict" else dict
+            out = cls()
+            for k, v in items:
+                key = self.decode(k, own=True, depth=depth + 1)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise self.bad("unhashable dict key") from None
+                out[key] = self.decode(v, own=own, depth=depth + 1)
+            return out
+        if tag in ("$tuple", "$set"):
+            if not isinstance(node[tag], list):
+                raise self.bad(f"bad {tag}")
+            vals = [self.decode(v, own=own, depth=depth + 1) for v in node[tag]]
+            return tuple(vals) if tag == "$tuple" else set(vals)
+        if tag == "$tensor":
+            t = self.tensor(self.index(node, tag, "torch"))
+            return t.clone() if own else t
+        if tag in ("$ndarray", "$npscalar"):
+            arr = self.array(self.index(node, tag, "numpy"))
+            return arr[()] if tag == "$npscalar" else arr
+        if tag == "$generator":
+            g = torch.Generator(device=node.get("device", "cpu")) if node.get("device", "cpu") == "cpu" else None
+            state = self.tensor(self.index(node, tag, "torch")).clone()
+            if g is None:
+                return state
+            g.set_state(state)
+            return g
+        if tag == "$dtype":
+            dt = getattr(torch, str(node[tag]), None)
+            if not isinstance(dt, torch.dtype):
+                raise self.bad(f"unknown dtype {node[tag]!r}")
+            return dt
+        if tag == "$device":
+            try:
+                return torch.device(str(node[tag]))
+            except RuntimeError:
+                raise self.bad(f"bad device {node[tag]!r}") from None
+        if tag == "$size":
+            if not isinstance(node[tag], list) or not all(type(d) is int for d in node[tag]):
+                raise self.bad("bad size")
+            return torch.Size(node[tag])
+        if tag == "$stateful":
+            return self.decode(node[tag], own=own, depth=depth + 1)
+        raise self.bad(f"unknown tag {tag!r}")
+
+    def array(self, i: int) -> np.ndarray:
+        rec = self.records[i]
+        raw = self.tensor(i)  # uint8 bytes of the leaf, as loaded
+        return raw.numpy().view(CODE_TO_NUMPY[rec.dtype]).reshape(rec.shape).copy()
+
+
+@dataclass
+class RestorePlan:
+    """Checked actions, applied only after the checkpoint's bytes are loaded and verified."""
+
+    #: each action decodes what it needs and returns the closure that changes the state
+    actions: list[Callable[[_Decoder], Callable[[], None]]] = field(default_factory=list)
+    #: key path -> (live target, saved dtype code, saved global shape) of every distributed-tensor leaf
+    dtensor_targets: dict[str, tuple[Any, str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
+              dtensor: Callable[[str], Any] | None = None) -> None:
+        dec = _Decoder(records, tensor, step=step, dtensor=dtensor)
+        # decode everything first (a malformed node raises here, before the state is touched), then commit
+        commits = [action(dec) for action in self.actions]
+        for commit in commits:
+            commit()
+
+
+def _mismatch(msg: str, path: str, step: int | None) -> StateMismatchError:
+    return StateMismatchError(f"{msg} at {path}", step=step)
+
+
+def _is_tag(node: Any, tag: str) -> bool:
+    return isinstance(node, dict) and tag in node
+
+
+def plan_restore(
+    state: MutableMapping[str, Any], tree: Any, records: tuple[TensorRecord, ...], *, strict: bool, step: int | None
+) -> RestorePlan:
+    """Check ``tree`` against the live ``state`` and return the actions that load it in place."""
+    if not isinstance(state, MutableMapping):
+        raise TypeError(f"state must be a mutable mapping, got {type(state).__name__}")
+    if not _is_tag(tree, "$dict") and not _is_tag(tree, "$odict"):
+        raise CorruptCheckpointError("malformed state tree: root is not a mapping", step=step)
+    plan = RestorePlan()
+    checker = _Checker(records, strict, step, plan)
+    checker.mapping(state, tree, "state", 0)
+    return plan
+
+
+class _Checker:
+    def __init__(self, records: tuple[TensorRecord, ...], strict: bool, step: int | None, plan: RestorePlan) -> None:
+        self.records, self.strict, self.step, self.plan = records, strict, step, plan
+
+    def record(self, node: dict, tag: str, kind: str, path: str) -> TensorRecord:
+        i = node[tag]
+        if type(i) is not int or not 0 <= i < len(self.records) or self.records[i].kind != kind:
+            raise CorruptCheckpointError(f"malformed state tree: bad tensor reference at {path}", step=self.step)
+        return self.records[i]
+
+    def mapping(self, cur: MutableMapping, node: dict, path: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError("malformed state tree: too deep", step=self.step)
+        tag = "$dict" if "$dict" in node else "$odict"
+        pairs = node[tag]
+        if not isinstance(pairs, list):
+            raise CorruptCheckpointError(f"malformed state tree at {path}", step=self.step)
+        saved_keys = []
+        for pair in pairs:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise CorruptCheckpointError(f"malformed state tree at {path}", step=self.step)
+            key = _Decoder(self.records, _no_tensor, step=self.step).decode(pair[0], own=True)
+            saved_keys.append(key)
+            sub = f"{path}[{key!r}]"
+            if key not in cur:
+                if self.strict:
+                    raise _mismatch("unexpected key in checkpoint (not in the state; strict=False allows it)", sub, self.step)
+                self.free_dtensors(pair[1], sub)
+                self.plan.actions.append(_setter(cur, key, pair[1]))
+                continue
+            self.value(cur, key, pair[1], sub, depth + 1)
+        if self.strict:
+            missing = [k for k in cur if k not in set(saved_keys)]
+            if missing:
+                raise _mismatch(f"key {missing[0]!r} missing from the checkpoint (strict=False allows it)", path, self.step)
+
+    def value(self, parent: Any, key: Any, node: Any, path: str, depth: int) -> None:
+        cur = parent[key]
+        if _is_tag(node, "$stateful"):
+            if not is_stateful(cur):
+                raise _mismatch(f"checkpoint holds an object with state_dict() but the state has {type(cur).__name__}", path, self.step)
+            self.stateful(cur, node["$stateful"], path)
+        elif _is_tag(node, "$dtensor"):
+            if not isinstance(cur, torch.Tensor):
+                raise _mismatch(f"checkpoint holds a distributed tensor but the state has {type(cur).__name__}", path, self.step)
+            self.check_dtensor(cur, node, path)
+            self.plan.actions.append(_dtensor_copier(cur, node["$dtensor"]))
+        elif _is_tag(node, "$tensor"):
+            rec = self.record(node, "$tensor", "torch", path)
+            if not isinstance(cur, torch.Tensor):
+                raise _mismatch(f"checkpoint holds a tensor but the state has {type(cur).__name__}", path, self.step)
+            self.check_tensor(cur, rec, path)
+            self.plan.actions.append(_copier(cur, node["$tensor"]))
+        elif isinstance(cur, torch.Tensor):
+            raise _mismatch("state holds a tensor but the checkpoint does not", path, self.step)
+        elif _is_tag(node, "$ndarray") and isinstance(cur, np.ndarray) and cur.flags.writeable:
+            rec = self.record(node, "$ndarray", "numpy", path)
+            if tuple(cur.shape) != rec.shape or NUMPY_TO_CODE.get(cur.dtype) != rec.dtype:
+                raise _mismatch(
+                    f"numpy array mismatch: checkpoint {rec.dtype}{list(rec.shape)}, state {cur.dtype}{list(cur.shape)}", path, self.step
+                )
+            self.plan.actions.append(_np_copier(cur, node["$ndarray"]))
+        elif _is_tag(node, "$generator") and isinstance(cur, torch.Generator):
+            self.record(node, "$generator", "torch", path)
+            self.plan.actions.append(_gen_setter(cur, node["$generator"]))
+        elif (_is_tag(node, "$dict") or _is_tag(node, "$odict")) and isinstance(cur, MutableMapping):
+            self.mapping(cur, node, path, depth)
+        elif isinstance(node, list) and isinstance(cur, list) and len(cur) == len(node):
+            for i, sub in enumerate(node):
+                self.value(cur, i, sub, f"{path}[{i}]", depth + 1)
+        else:
+            self.plan.actions.append(_setter(parent, key, node))
+
+    def stateful(self, obj: Any, node: Any, path: str) -> None:
+        if isinstance(obj, torch.nn.Module):
+            live = obj.state_dict()
+            saved = self.module_entries(node, path)
+            if self.strict:
+                extra = [k for k in saved if k not in live]
+                if extra:
+                    raise _mismatch(f"unexpected key {extra[0]!r} in checkpoint for module", path, self.step)
+            for k, rec in saved.items():
+                if k not in live and isinstance(rec, dict):
+                    self.free_dtensors(rec, f"{path}[{k!r}]")
+                missing = [k for k in live if k not in saved]
+                if missing:
+                    raise _mismatch(f"key {missing[0]!r} of module missing from checkpoint", path, self.step)
+            for k, rec in saved.items():
+                if k in live and isinstance(live[k], torch.Tensor) and isinstance(rec, dict):
+                    self.check_dtensor(live[k], rec, f"{path}[{k!r}]")
+                elif k in live and isinstance(live[k], torch.Tensor) and rec is not None:
+                    self.check_tensor(live[k], rec, f"{path}[{k!r}]")
+            strict = self.strict
+
+            def load_module(dec: _Decoder) -> Callable[[], None]:
+                sd = dec.decode(node, own=False)
+                return lambda: _load_module(obj, sd, strict, path, dec.step)
+
+            self.plan.actions.append(load_module)
+        else:
+            if _contains_tag(node, "$dtensor"):
+                raise _mismatch(
+                    f"{type(obj).__name__} state holds distributed tensors (DTensor) but nothing live to load them into; "
+                    "checkpoint get_optimizer_state_dict(model, optimizer) instead and load it back with "
+                    "set_optimizer_state_dict", path, self.step)
+
+            def load_object(dec: _Decoder) -> Callable[[], None]:
+                sd = dec.decode(node, own=True)
+                return lambda: _load_object(obj, sd, path, dec.step)
+
+            self.plan.actions.append(load_object)
+
+    def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | dict | None]:
+        if not (_is_tag(node, "$dict") or _is_tag(node, "$odict")):
+            raise CorruptCheckpointError(f"malformed state tree: module state at {path} is not a mapping", step=self.step)
+        out: dict[str, TensorRecord | dict | None] = {}
+        for pair in node.get("$dict", node.get("$odict")):
+            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
+                raise CorruptCheckpointError(f"malformed module state at {path}", step=self.step)
+            k, v = pair
+            if _is_tag(v, "$dtensor"):
+                out[k] = v
+            else:
+                out[k] = self.record(v, "$tensor", "torch", path) if _is_tag(v, "$tensor") else None
+        return out
+
+    def free_dtensors(self, node: Any, path: str, depth: int = 0) -> None:
+        """Distributed tensors with no live counterpart (strict=False) come back as full plain tensors."""
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError("malformed state tree: too deep", step=self.step)
+        if _is_tag(node, "$dtensor"):
+            gshape, code, key = node.get("global_shape"), node.get("dtype"), node.get("$dtensor")
+            if (not isinstance(gshape, list) or not all(type(d) is int and 0 <= d < (1 << 40) for d in gshape)
+                    or not isinstance(key, str) or code not in CODE_TO_TORCH):
+                raise CorruptCheckpointError(f"malformed distributed tensor at {path}", step=self.step)
+            self.plan.dtensor_targets[key] = (torch.empty(gshape, dtype=CODE_TO_TORCH[code]), code, tuple(gshape))
+        elif isinstance(node, dict):
+            for v in node.values():
+                self.free_dtensors(v, path, depth + 1)
+        elif isinstance(node, list):
+            for v in node:
+                self.free_dtensors(v, path, depth + 1)
+
+    def check_dtensor(self, cur: torch.Tensor, node: dict, path: str) -> None:
+        gshape, code, key = node.get("global_shape"), node.get("dtype"), node.get("$dtensor")
+        if not isinstance(gshape, list) or not isinstance(key, str) or code not in CODE_TO_TORCH:
+            raise CorruptCheckpointError(f"malformed distributed tensor at {path}", step=self.step)
+        live_shape, _off, _shape = target_box(cur)
+        if tuple(live_shape) != tuple(gshape):
+            raise _mismatch(f"global shape mismatch: checkpoint {gshape}, state {list(live_shape)}", path, self.step)
+        if TORCH_TO_CODE.get(cur.dtype) != code:
+            raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH[code]}, state {cur.dtype}", path, self.step)
+        self.plan.dtensor_targets[key] = (cur, code, tuple(gshape))
+
+    def check_tensor(self, cur: torch.Tensor, rec: TensorRecord, path: str) -> None:
+        if tuple(cur.shape) != rec.shape:
+            raise _mismatch(f"shape mismatch: checkpoint {list(rec.shape)}, state {list(cur.shape)}", path, self.step)
+        if TORCH_TO_CODE.get(cur.dtype) != rec.dtype:
+            raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH.get(rec.dtype)}, state {cur.dtype}", path, self.step)
+
+
+def _contains_tag(node: Any, tag: str, depth: int = 0) -> bool:
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(node, dict):
+        return tag in node or any(_contains_tag(v, tag, depth + 1) for v in node.values())
+    if isinstance(node, list):
+        return any(_contains_tag(v, tag, depth + 1) for v in node)
+    return False
+
+
+def _no_tensor(i: int) -> torch.Tensor:
+    raise CorruptCheckpointError("malformed state tree: tensor used as a dict key")
+
+
+def _dtensor_copier(dst: torch.Tensor, key: str) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        assert dec.dtensor is not None
+        value = dec.dtensor(key)
+        src = value.to_local() if is_dtensor(value) else value
+
+        def commit() -> None:
+            with torch.no_grad():
+                (dst.to_local() if is_dtensor(dst) else dst).copy_(src)
+
+        return commit
+
+    return prepare
+
+
+def _copier(dst: torch.Tensor, i: int) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        src = dec.tensor(i)
+
+        def commit() -> None:
+            with torch.no_grad():
+                dst.copy_(src)
+
+        return commit
+
+    return prepare
+
+
+def _np_copier(dst: np.ndarray, i: int) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        arr = dec.array(i)
+        return lambda: np.copyto(dst, arr)
+
+    return prepare
+
+
+def _gen_setter(gen: torch.Generator, i: int) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        st = dec.tensor(i).clone()
+        return lambda: gen.set_state(st)
+
+    return prepare
+
+
+def _setter(parent: Any, key: Any, node: Any) -> Callable[[_Decoder], Callable[[], None]]:
+    def prepare(dec: _Decoder) -> Callable[[], None]:
+        value = dec.decode(node, own=True)
+
+        def commit() -> None:
+            parent[key] = value
+
+        return commit
+
+    return prepare
+
+
+def _load_module(module: torch.nn.Module, sd: Any, strict: bool, path: str, step: int | None) -> None:
+    try:
+        module.load_state_dict(sd, strict=strict)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise StateMismatchError(f"load_state_dict failed at {path}: {exc}", step=step) from exc
+
+
+def _load_object(obj: Any, sd: Any, path: str, step: int | None) -> None:
+    try:
+        obj.load_state_dict(sd)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise StateMismatchError(f"{type(obj).__name__}.load_state_dict failed at {path}: {exc}", step=step) from exc
+
+
+def tensor_view_factory(records: tuple[TensorRecord, ...], raw: Callable[[int], torch.Tensor]) -> TensorSource:
+    """Typed, shaped views over each leaf's loaded bytes."""
+
+    def get(i: int) -> torch.Tensor:
+        rec = records[i]
+        if rec.kind == "numpy":
+            return raw(i)
+        if rec.nbytes == 0:
+            return torch.empty(rec.shape, dtype=CODE_TO_TORCH[rec.dtype])
+        return raw(i).view(CODE_TO_TORCH[rec.dtype]).view(rec.shape)
+
+    return get
+
