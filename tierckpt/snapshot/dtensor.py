@@ -26,12 +26,19 @@ from ..format.manifest import TensorRecord
 from .dtypes import CODE_TO_TORCH
 
 
-def is_dtensor(obj: Any) -> bool:
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(obj, DTensor)
+        return None
+    return DTensor
+
+
+_DTENSOR: type | None = _dtensor_class()
+
+
+def is_dtensor(obj: Any) -> bool:
+    return _DTENSOR is not None and isinstance(obj, _DTENSOR)
 
 
 def local_box(t: Any) -> tuple[tuple[int, ...], bool]:

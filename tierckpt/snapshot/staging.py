@@ -32,13 +32,17 @@ log = logging.getLogger(__name__)
 GROWTH_QUANTUM = 64 << 20
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     index: int
     buffer: torch.Tensor | None = None  # uint8, 1-D
     # views cached per plan: (plan id) -> list of destination views, one per leaf
     _views_for: object = None
     _views: list[torch.Tensor | np.ndarray] = field(default_factory=list)
+    _headers_for: object = None
+    _torch_idx: list[int] = field(default_factory=list)
+    _numpy_idx: list[int] = field(default_factory=list)
+    _torch_dsts: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def capacity(self) -> int:
@@ -90,7 +94,7 @@ class StagingPool:
     def _allocate(self, slot: Slot, nbytes: int) -> None:
         size = -(-nbytes // GROWTH_QUANTUM) * GROWTH_QUANTUM if nbytes > GROWTH_QUANTUM else nbytes
         slot.buffer = None  # drop the old one first: peak memory is the new size, not old + new
-        slot._views_for, slot._views = None, []
+        slot._views_for, slot._views, slot._headers_for = None, [], None
         t0 = time.perf_counter()
         try:
             slot.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
@@ -103,7 +107,7 @@ class StagingPool:
     def close(self) -> None:
         with self._cond:
             for s in self._slots:
-                s.buffer, s._views_for, s._views = None, None, []
+                s.buffer, s._views_for, s._views, s._headers_for = None, None, [], None
 
 
 def leaf_locations(plan: SnapshotPlan) -> list[tuple[int, int]]:
@@ -129,6 +133,9 @@ def destination_views(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int,
         else:
             views.append(raw.view(CODE_TO_TORCH[leaf.dtype]).view(leaf.shape))
     slot._views_for, slot._views = plan, views
+    slot._torch_idx = [i for i, leaf in enumerate(leaves) if leaf.kind == "torch" and leaf.nbytes]
+    slot._numpy_idx = [i for i, leaf in enumerate(leaves) if leaf.kind == "numpy" and leaf.nbytes]
+    slot._torch_dsts = [views[i] for i in slot._torch_idx]
     return views
 
 
@@ -137,34 +144,29 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
     """Copy the headers and every leaf's bytes into ``slot``; returns when the bytes are in host memory."""
     assert slot.buffer is not None
     buf = slot.buffer
-    for f in plan.files:
-        hdr = torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
-        buf[f.buffer_offset : f.buffer_offset + len(f.header)].copy_(hdr)
+    if slot._headers_for is not plan:  # headers depend on the plan only
+        for f in plan.files:
+            hdr = torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
+            buf[f.buffer_offset : f.buffer_offset + len(f.header)].copy_(hdr)
+        slot._headers_for = plan
     views = destination_views(slot, plan, locations, leaves)
-    cpu_dst: list[torch.Tensor] = []
-    cpu_src: list[torch.Tensor] = []
-    cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for leaf, dst in zip(leaves, views):
-        if leaf.nbytes == 0:
-            continue
-        if leaf.kind == "numpy":
-            np.copyto(dst, leaf.value, casting="no" if leaf.value.dtype.isnative else "equiv")  # type: ignore[arg-type]
-            continue
-        src = leaf.value
-        assert isinstance(src, torch.Tensor)
-        if src.device.type == "cpu":
-            cpu_dst.append(dst)  # type: ignore[arg-type]
-            cpu_src.append(src)
-        else:
-            cuda_pairs.append((dst, src))  # type: ignore[arg-type]
-    if cuda_pairs:
-        _copy_from_devices(cuda_pairs, copy_stream)
-    if cpu_dst:
+    torch_idx = slot._torch_idx
+    srcs = [leaves[i].value for i in torch_idx]
+    dsts = slot._torch_dsts
+    for i in slot._numpy_idx:
+        leaf = leaves[i]
+        np.copyto(views[i], leaf.value, casting="no" if leaf.value.dtype.isnative else "equiv")  # type: ignore[arg-type]
+    if any(s.is_cuda for s in srcs):
+        cuda = [(d, s) for d, s in zip(dsts, srcs) if s.is_cuda]
+        _copy_from_devices(cuda, copy_stream)
+        pairs = [(d, s) for d, s in zip(dsts, srcs) if not s.is_cuda]
+        dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
+    if dsts:
         with torch.no_grad():
-            if hasattr(torch, "_foreach_copy_") and len(cpu_dst) > 8:
-                torch._foreach_copy_(cpu_dst, cpu_src)
+            if hasattr(torch, "_foreach_copy_") and len(dsts) > 8:
+                torch._foreach_copy_(dsts, srcs)
             else:
-                for d, s in zip(cpu_dst, cpu_src):
+                for d, s in zip(dsts, srcs):
                     d.copy_(s)
 
 
@@ -184,13 +186,6 @@ def _copy_from_devices(pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stre
         for d, s in pairs:
             d.copy_(s, non_blocking=True)
     stream.synchronize()
-
-
-def leaf_as_source(leaf: Leaf) -> torch.Tensor:
-    """The tensor a leaf copies from (numpy arrays as tensors)."""
-    if leaf.kind == "numpy":
-        return torch.from_numpy(np.ascontiguousarray(leaf.value))
-    return leaf.value  # type: ignore[return-value]
 
 
 __all__ = ["StagingPool", "Slot", "copy_into", "leaf_locations", "destination_views", "CODE_TO_TORCH"]

@@ -83,21 +83,24 @@ class _Flattener:
         return name
 
     def add_tensor(self, t: torch.Tensor, path: str, parts: list[str], shard: dict[str, Any] | None = None) -> int:
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        # per-tensor cost matters (states have thousands of tensors): only cheap attribute reads here
+        if t.layout is not torch.strided or t.is_quantized or t.is_meta:
             raise TypeError(f"cannot checkpoint {t.layout} / quantized / meta tensor at {path}")
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             raise TypeError(f"cannot checkpoint tensor subclass {type(t).__name__} at {path}")
         code = TORCH_TO_CODE.get(t.dtype)
         if code is None:
             raise TypeError(f"cannot checkpoint tensor of dtype {t.dtype} at {path}")
+        shape = tuple(t.shape)
+        numel = t.numel()
         key = None
-        if t.numel():
-            key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if numel:
+            key = (t.data_ptr(), t.device, t.dtype, shape, t.stride())
             if key in self.seen:
                 return self.seen[key]
         idx = len(self.leaves)
-        nbytes = t.numel() * t.element_size()
-        self.leaves.append(Leaf(path, self.leaf_name(parts), t.detach(), "torch", code, tuple(t.shape), nbytes, shard))
+        # no detach(): the copy into staging runs under no_grad, and a detach costs microseconds per tensor
+        self.leaves.append(Leaf(path, self.leaf_name(parts), t, "torch", code, shape, numel * t.element_size(), shard))
         if key is not None:
             self.seen[key] = idx
         return idx
@@ -113,6 +116,8 @@ class _Flattener:
     def encode(self, obj: Any, path: str, parts: list[str], depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
             raise TypeError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
+        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:  # the common case first
+            return {"$tensor": self.add_tensor(obj, path, parts)}
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int):

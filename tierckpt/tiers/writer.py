@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import faults
 from ..errors import CheckpointError, StorageError
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 WRITE_CHUNK = 8 << 20
 
 
-@dataclass(frozen=True)
-class LeafMeta:
+class LeafMeta(NamedTuple):
+    """One tensor of a staged snapshot (a tuple: thousands are built per save)."""
+
     name: str
     path: str
     dtype: str

@@ -1,0 +1,494 @@
+"""Helpers shared by the benchmark scripts: timing, cache control, raw I/O, RSS sampling, S3 loopback, reports.
+
+Importing this module puts the repository root on ``sys.path`` (when it is not there already) so that the scripts
+measure the working tree's ``tierckpt`` without an install step. The library is optional: :func:`import_tierckpt`
+returns ``None`` and a reason when it is missing or incomplete, and every script skips its tierckpt part cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# DCP and torch.load emit deprecation/experimental warnings on every call; they clutter the tables.
+warnings.filterwarnings("ignore", module=r"torch(\..*)?$")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tierckpt
+# --------------------------------------------------------------------------------------------------------------
+
+
+def import_tierckpt() -> tuple[ModuleType | None, str]:
+    """Import ``tierckpt`` and check that its public entry point exists.
+
+    Returns ``(module, "")`` when ``tierckpt.CheckpointManager`` is importable, else ``(None, reason)``.
+    """
+    try:
+        import tierckpt
+    except Exception as exc:  # any import-time failure means "not ready": skip, do not crash the benchmarks
+        return None, f"import tierckpt failed: {type(exc).__name__}: {exc}"
+    if not hasattr(tierckpt, "CheckpointManager"):
+        return None, "tierckpt has no CheckpointManager yet"
+    return tierckpt, ""
+
+
+def tierckpt_version(mod: ModuleType | None) -> str | None:
+    """The library version string, or ``None``."""
+    if mod is None:
+        return None
+    return str(
+        getattr(mod, "__version__", None) or getattr(getattr(mod, "_version", None), "__version__", "?")
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# scratch space and the page cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def scratch_dir(path: str | os.PathLike[str] | None) -> Path:
+    """Create and return the scratch folder (default ``REPO_ROOT/.bench``), refusing tmpfs/ramfs.
+
+    A benchmark of disk writes on a RAM-backed file system would measure memcpy, so this raises ``SystemExit``
+    when the chosen folder lives on tmpfs or ramfs.
+    """
+    root = Path(path) if path else REPO_ROOT / ".bench"
+    root.mkdir(parents=True, exist_ok=True)
+    fstype = filesystem_type(root)
+    if fstype in {"tmpfs", "ramfs"}:
+        raise SystemExit(f"scratch dir {root} is on {fstype}; pass --dir on a real disk")
+    return root
+
+
+def filesystem_type(path: Path) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/mounts), or ``"?"``."""
+    best, fstype = "", "?"
+    resolved = str(path.resolve())
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1]
+                    inside = resolved == mnt or resolved.startswith(mnt.rstrip("/") + "/")
+                    if inside and len(mnt) > len(best):
+                        best, fstype = mnt, parts[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def fresh_dir(root: Path, name: str) -> Path:
+    """A new, empty, uniquely named folder under ``root``."""
+    d = root / f"{name}-{uuid.uuid4().hex[:8]}"
+    d.mkdir(parents=True)
+    return d
+
+
+def remove(path: Path) -> None:
+    """Delete a file or folder (if present) and flush the deletion to disk, outside any timed region."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+    os.sync()
+
+
+_DROP_STATE: dict[str, Any] = {"ok": None, "error": ""}
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache (``/proc/sys/vm/drop_caches``). Returns whether it worked.
+
+    The first failure is remembered (:func:`drop_caches_status`) so reports can say that "cold" numbers were not
+    really cold.
+    """
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        ok = True
+    except OSError as exc:
+        ok = False
+        _DROP_STATE["error"] = f"{type(exc).__name__}: {exc}"
+    if _DROP_STATE["ok"] is None or not ok:
+        _DROP_STATE["ok"] = ok
+    return ok
+
+
+def drop_caches_status() -> dict[str, Any]:
+    """Whether dropping the page cache worked every time it was asked (``None``: never asked)."""
+    return dict(_DROP_STATE)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# raw bytes of tensors
+# --------------------------------------------------------------------------------------------------------------
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (any dtype, bf16 included)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def split_balanced(tensors: Sequence[torch.Tensor], n: int) -> list[list[int]]:
+    """Partition tensor indices into ``n`` groups of nearly equal total bytes (largest first, greedy)."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes)
+    groups: list[list[int]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for i in order:
+        g = sizes.index(min(sizes))
+        groups[g].append(i)
+        sizes[g] += tensors[i].nbytes
+    for g in groups:
+        g.sort()
+    return groups
+
+
+def write_all(fd: int, mv: memoryview) -> None:
+    """``os.write`` until every byte of ``mv`` is written (large writes may be partial)."""
+    off, n = 0, len(mv)
+    while off < n:
+        off += os.write(fd, mv[off : off + (1 << 30)])
+
+
+def write_file(path: Path, tensors: Sequence[torch.Tensor]) -> None:
+    """Write the tensors' bytes back to back into ``path`` and fsync it (the raw-write limit)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            if t.nbytes:
+                write_all(fd, byte_view(t))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file_into(path: Path, tensors: Sequence[torch.Tensor]) -> None:
+    """Read ``path`` back into preallocated tensors, in order (the raw-read limit)."""
+    with open(path, "rb", buffering=0) as f:
+        for t in tensors:
+            if not t.nbytes:
+                continue
+            mv = byte_view(t)
+            off = 0
+            while off < len(mv):
+                n = f.readinto(mv[off:])
+                if not n:
+                    raise EOFError(path)
+                off += n
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file written by someone else (e.g. a library that does not fsync), then its folder."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so that the entries created in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file below ``root`` and every folder, with two threads."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(fsync_path, files))
+    fsync_dir(root)
+
+
+def parallel(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """Run ``fn(0..n-1)`` on ``n`` threads and return the results (exceptions propagate)."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(fn, range(n)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# timing and statistics
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def timed(out: dict[str, float], key: str) -> Iterator[None]:
+    """Store the wall time of the block (perf_counter seconds) in ``out[key]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        out[key] = time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float | None:
+    """Median of the finite values, ``None`` when there are none."""
+    vals = [x for x in xs if isinstance(x, (int, float)) and x == x]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` or ``None`` when either is missing or ``b`` is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def settle() -> None:
+    """Collect garbage so that a previous case's memory is released before the next one starts."""
+    gc.collect()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# other processes' CPU use (the machine may be shared)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """``(wall, busy CPU seconds of the whole machine, CPU seconds of this process)`` right now."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return time.perf_counter(), (sum(fields[:8]) - idle) / hz, t.user + t.system
+
+
+def foreign_cpu(since: tuple[float, float, float]) -> float:
+    """Mean number of cores that *other* processes kept busy since the snapshot ``since`` (0 = quiet machine)."""
+    now = cpu_snapshot()
+    wall = now[0] - since[0]
+    if wall <= 0:
+        return 0.0
+    return max(0.0, ((now[1] - since[1]) - (now[2] - since[2])) / wall)
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 0.5) -> tuple[float, float]:
+    """Wait (up to ``max_wait`` seconds) until other processes use under ``threshold`` cores over ``probe`` s.
+
+    Returns ``(seconds waited, foreign cores in the last probe)``. The benchmarks call it before each case so
+    that a shared machine's bursts (a test suite next door) hit fewer measurements; the returned load is recorded.
+    """
+    t0 = time.perf_counter()
+    while True:
+        snap = cpu_snapshot()
+        time.sleep(probe)
+        load = foreign_cpu(snap)
+        waited = time.perf_counter() - t0
+        if load < threshold or waited >= max_wait:
+            return waited, load
+        time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:  # pragma: no cover - psutil is in the bench extra
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def max_rss_bytes() -> int:
+    """Peak RSS of this process over its lifetime (``getrusage``; Linux reports KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class RssSampler:
+    """Sample RSS every ``interval`` seconds in a thread; ``peak`` is the highest value seen while running."""
+
+    interval: float = 0.01
+    peak: int = 0
+    samples: list[int] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> RssSampler:
+        self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            v = rss_bytes()
+            self.peak = max(self.peak, v)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# S3 on loopback
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def s3_loopback(bucket: str = "bench") -> Iterator[dict[str, Any]]:
+    """Start moto's S3 server on a free loopback port, create ``bucket``, and yield connection details.
+
+    Yields ``{"endpoint_url", "bucket", "storage_options"}`` where ``storage_options`` is what fsspec/s3fs (and
+    ``CheckpointManager(storage_options=...)``) needs. Raises ``ImportError`` when moto or s3fs is missing.
+    """
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "y")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        opts = {"client_kwargs": {"endpoint_url": endpoint}, "key": "x", "secret": "y"}
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+        fs.mkdir(bucket)
+        yield {"endpoint_url": endpoint, "bucket": bucket, "storage_options": opts}
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reporting
+# --------------------------------------------------------------------------------------------------------------
+
+
+def machine_description(scratch: Path) -> dict[str, Any]:
+    """CPU, cores, RAM, kernel, file system and software versions, for the report."""
+    cpu = platform.processor() or "?"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+                break
+    try:
+        import numpy
+
+        np_version = numpy.__version__
+    except ImportError:  # pragma: no cover
+        np_version = None
+    try:
+        import safetensors
+
+        st_version = safetensors.__version__
+    except ImportError:  # pragma: no cover
+        st_version = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "ram_gib": round(mem / GiB, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np_version,
+        "safetensors": st_version,
+        "cuda": torch.cuda.is_available(),
+        "scratch_dir": str(scratch),
+        "scratch_fs": filesystem_type(scratch),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """Format a number for a table cell ('-' when missing)."""
+    if x is None:
+        return "-"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.{digits}f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with right-aligned numeric columns."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for k, row in enumerate(cells):
+        parts = [row[0].ljust(widths[0])] + [row[i].rjust(widths[i]) for i in range(1, len(row))]
+        lines.append("  ".join(parts))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The same table as GitHub-flavoured Markdown."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as indented JSON (NaN/inf become null)."""
+
+    def clean(o: Any) -> Any:
+        if isinstance(o, float) and (o != o or o in (float("inf"), float("-inf"))):
+            return None
+        if isinstance(o, dict):
+            return {str(k): clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return o
+
+    Path(path).write_text(json.dumps(clean(obj), indent=2) + "\n")

@@ -1,0 +1,482 @@
+"""The measured cases: hardware limits, peer checkpointers and tierckpt, each one run of one repeat.
+
+Every case is a function ``case(ctx) -> dict[str, float | bool | None]`` that saves and/or loads ``ctx.state`` once,
+cleans up its files outside the timed regions, and returns its metrics in seconds (bytes for ``rss_*``). The
+driver (:mod:`bench`) runs all cases once per repeat, rotating their order, and reports medians.
+
+Metric names shared across systems (so that they line up in one table):
+
+- ``stall``: how long the training loop is blocked before it may change its tensors again. For synchronous savers
+  that is the whole save; for DCP ``async_save`` it is the time until the call returns (with ``DefaultStager``,
+  until its staging future completes: ``stall_return`` is the bare return); for tierckpt, until ``save()`` returns.
+- ``durable``: from the start of the save until the bytes are fsynced on the local disk.
+- ``load_cold`` / ``load_warm``: loading into the preallocated state with the page cache dropped / warm.
+- ``rss_extra``: peak RSS during the case minus RSS before it (sampled every 20 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import xxhash
+from common import (
+    RssSampler,
+    drop_caches,
+    fresh_dir,
+    fsync_path,
+    fsync_tree,
+    median,
+    parallel,
+    read_file_into,
+    remove,
+    rss_bytes,
+    settle,
+    split_balanced,
+    timed,
+    write_file,
+)
+from state import copy_into, flatten, states_equal, tensors
+
+Metrics = dict[str, Any]
+
+
+@dataclass
+class Ctx:
+    """Everything a case needs: the state, a preallocated target of the same shape, where to write, and options."""
+
+    state: dict[str, Any]
+    dst: dict[str, Any]
+    scratch: Path
+    threads: int = 2
+    check: bool = True  # verify loaded values against the state (outside the timed region)
+    loads: bool = True  # measure loads/restores as well as saves
+    tierckpt: ModuleType | None = None
+    tierckpt_kwargs: dict[str, Any] = field(default_factory=dict)
+    saves: int = 4  # tierckpt saves per repeat (first + steady state)
+    s3: dict[str, Any] | None = None  # from common.s3_loopback
+    repeat: int = 0
+    quiet_wait: float = 0.0  # seconds to wait for other processes to go quiet before each case
+    _tensors: list[torch.Tensor] | None = None
+    _dst_tensors: list[torch.Tensor] | None = None
+
+    @property
+    def src_list(self) -> list[torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = tensors(self.state)
+        return self._tensors
+
+    @property
+    def dst_list(self) -> list[torch.Tensor]:
+        if self._dst_tensors is None:
+            self._dst_tensors = tensors(self.dst)
+        return self._dst_tensors
+
+    def clear_dst(self) -> None:
+        """Zero the target so a load that silently does nothing cannot pass the check."""
+        for t in self.dst_list:
+            t.zero_()
+
+    def verify(self) -> bool | None:
+        """Whether ``dst`` equals ``state`` (``None`` when checks are off or after the first repeat)."""
+        if not self.check or self.repeat > 0:
+            return None
+        return states_equal(self.state, self.dst)
+
+
+def _loads(ctx: Ctx, out: Metrics, load: Callable[[], None]) -> None:
+    """Time ``load`` twice, with the page cache dropped and then warm; verify the first result."""
+    if not ctx.loads:
+        return
+    ctx.clear_dst()
+    settle()
+    out["cold_cache"] = drop_caches()
+    with timed(out, "load_cold"):
+        load()
+    out["load_ok"] = ctx.verify()
+    with timed(out, "load_warm"):
+        load()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# limits
+# --------------------------------------------------------------------------------------------------------------
+
+
+def case_memcpy(ctx: Ctx) -> Metrics:
+    """``copy_`` every tensor into its preallocated twin: the floor for any snapshot into host memory."""
+    out: Metrics = {}
+    with timed(out, "time"):
+        for s, d in zip(ctx.src_list, ctx.dst_list, strict=True):
+            d.copy_(s)
+    return out
+
+
+def case_hash(ctx: Ctx) -> Metrics:
+    """xxh3_128 over every tensor's bytes, on one thread and on ``ctx.threads`` threads."""
+    from common import byte_view
+
+    out: Metrics = {}
+    ts = ctx.src_list
+    with timed(out, "time_1t"):
+        for t in ts:
+            if t.nbytes:
+                xxhash.xxh3_128(byte_view(t)).digest()
+    groups = split_balanced(ts, ctx.threads)
+
+    def work(g: int) -> None:
+        for i in groups[g]:
+            if ts[i].nbytes:
+                xxhash.xxh3_128(byte_view(ts[i])).digest()
+
+    with timed(out, "time_nt"):
+        parallel(work, ctx.threads)
+    return out
+
+
+def case_raw_io(ctx: Ctx) -> Metrics:
+    """Raw sequential write+fsync of the state's bytes (one file; N files on N threads), then cold and warm reads."""
+    out: Metrics = {}
+    d = fresh_dir(ctx.scratch, "raw")
+    try:
+        one = d / "all.bin"
+        with timed(out, "write_1f"):
+            write_file(one, ctx.src_list)
+            fsync_path(one)
+        out["cold_cache"] = drop_caches()
+        with timed(out, "read_cold_1f"):
+            read_file_into(one, ctx.dst_list)
+        with timed(out, "read_warm_1f"):
+            read_file_into(one, ctx.dst_list)
+        remove(one)
+
+        n = ctx.threads
+        groups = split_balanced(ctx.src_list, n)
+        paths = [d / f"part{g}.bin" for g in range(n)]
+
+        def write(g: int) -> None:
+            write_file(paths[g], [ctx.src_list[i] for i in groups[g]])
+
+        def read(g: int) -> None:
+            read_file_into(paths[g], [ctx.dst_list[i] for i in groups[g]])
+
+        with timed(out, "write_nf"):
+            parallel(write, n)
+            fsync_path(paths[0])  # the folder entry
+        drop_caches()
+        with timed(out, "read_cold_nf"):
+            parallel(read, n)
+        with timed(out, "read_warm_nf"):
+            parallel(read, n)
+        if ctx.check and ctx.repeat == 0:
+            out["read_ok"] = states_equal(ctx.state, ctx.dst)
+    finally:
+        remove(d)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# peers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def case_torch_save(ctx: Ctx) -> Metrics:
+    """``torch.save`` to one file + fsync; ``torch.load(mmap=False)`` then ``copy_`` into the target."""
+    out: Metrics = {}
+    d = fresh_dir(ctx.scratch, "torchsave")
+    path = d / "ckpt.pt"
+    try:
+        base = rss_bytes()
+        with RssSampler(0.02) as rss, timed(out, "stall"):
+            with open(path, "wb") as f:
+                torch.save(ctx.state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_path(path)
+        out["durable"] = out["stall"]
+        out["rss_extra"] = rss.peak - base
+
+        def load() -> None:
+            loaded = torch.load(path, mmap=False, weights_only=True)
+            copy_into(ctx.dst, loaded)
+            del loaded
+
+        _loads(ctx, out, load)
+    finally:
+        remove(d)
+    return out
+
+
+def case_safetensors(ctx: Ctx) -> Metrics:
+    """``safetensors.torch.save_file`` of the flat state + fsync; ``load_file`` then ``copy_`` into the target."""
+    from safetensors.torch import load_file, save_file
+
+    out: Metrics = {}
+    d = fresh_dir(ctx.scratch, "safetensors")
+    path = d / "ckpt.safetensors"
+    try:
+        base = rss_bytes()
+        with RssSampler(0.02) as rss, timed(out, "stall"):
+            save_file(flatten(ctx.state), str(path))
+            fsync_path(path)
+        out["durable"] = out["stall"]
+        out["rss_extra"] = rss.peak - base
+
+        def load() -> None:
+            loaded = load_file(str(path))
+            copy_into(ctx.dst, loaded)
+            del loaded
+
+        _loads(ctx, out, load)
+    finally:
+        remove(d)
+    return out
+
+
+def _dcp_load(ctx: Ctx, out: Metrics, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def load() -> None:
+        dcp.load(ctx.dst, checkpoint_id=str(path), no_dist=True)
+
+    _loads(ctx, out, load)
+
+
+def make_case_dcp_save(thread_count: int) -> Callable[[Ctx], Metrics]:
+    """DCP ``save`` with ``FileSystemWriter(thread_count=...)`` (it fsyncs by default); DCP ``load`` in place."""
+
+    def case(ctx: Ctx) -> Metrics:
+        import torch.distributed.checkpoint as dcp
+
+        out: Metrics = {}
+        d = fresh_dir(ctx.scratch, f"dcp{thread_count}")
+        try:
+            base = rss_bytes()
+            with RssSampler(0.02) as rss, timed(out, "stall"):
+                dcp.save(
+                    ctx.state,
+                    storage_writer=dcp.FileSystemWriter(str(d), thread_count=thread_count),
+                    no_dist=True,
+                )
+                fsync_tree(d)  # DCP fsyncs its data files; this adds the metadata file and the folder
+            out["durable"] = out["stall"]
+            out["rss_extra"] = rss.peak - base
+            _dcp_load(ctx, out, d)
+        finally:
+            remove(d)
+        return out
+
+    case.__name__ = f"case_dcp_save_t{thread_count}"
+    return case
+
+
+def default_stager_available() -> bool:
+    """Whether this torch has ``torch.distributed.checkpoint.staging.DefaultStager``."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_case_dcp_async(stager: bool, thread_count: int = 1) -> Callable[[Ctx], Metrics]:
+    """DCP ``async_save``: with its default (synchronous CPU staging) or with ``DefaultStager`` (async staging).
+
+    With ``DefaultStager`` the call returns before the copy is done; the tensors may change only after
+    ``staging_completion``, so ``stall`` is that and ``stall_return`` is the bare return. On a machine without
+    CUDA pinned memory and non-blocking copies are turned off (DefaultStager refuses them there).
+    """
+
+    def case(ctx: Ctx) -> Metrics:
+        import torch.distributed.checkpoint as dcp
+
+        out: Metrics = {}
+        d = fresh_dir(ctx.scratch, "dcpasync")
+        st = None
+        try:
+            kwargs: dict[str, Any] = {}
+            if stager:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                cuda = torch.cuda.is_available()
+                st = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=cuda,
+                    )
+                )
+                kwargs["async_stager"] = st
+            base = rss_bytes()
+            with RssSampler(0.02) as rss:
+                t0 = time.perf_counter()
+                resp = dcp.async_save(
+                    ctx.state,
+                    storage_writer=dcp.FileSystemWriter(str(d), thread_count=thread_count),
+                    no_dist=True,
+                    **kwargs,
+                )
+                out["stall_return"] = time.perf_counter() - t0
+                if hasattr(resp, "staging_completion"):
+                    resp.staging_completion.result()
+                    out["stall"] = time.perf_counter() - t0
+                    fut = resp.upload_completion
+                else:
+                    out["stall"] = out["stall_return"]
+                    fut = resp
+                fut.result()
+                fsync_tree(d)
+                out["durable"] = time.perf_counter() - t0
+            out["rss_extra"] = rss.peak - base
+            if ctx.check and ctx.repeat == 0 and ctx.loads:
+                import torch.distributed.checkpoint as dcp2
+
+                ctx.clear_dst()
+                dcp2.load(ctx.dst, checkpoint_id=str(d), no_dist=True)
+                out["load_ok"] = ctx.verify()
+        finally:
+            if st is not None:
+                st.close()
+            remove(d)
+        return out
+
+    case.__name__ = "case_dcp_async_stager" if stager else "case_dcp_async"
+    return case
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tierckpt
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _future_seconds(fut: Any, t0: float) -> float:
+    """Wait for a stage future; seconds since ``t0`` on our clock (the library's own number is kept separately)."""
+    fut.result()
+    return time.perf_counter() - t0
+
+
+def case_tierckpt(ctx: Ctx) -> Metrics:
+    """tierckpt, local tier only: ``ctx.saves`` saves (each awaited), then verified restores cold and warm.
+
+    Reports the first save's stall and durable time separately from the steady state (p50 and max over the
+    rest), RSS growth between the second and the last save (a steady-state save should allocate nothing large),
+    peak extra RSS, and the restore times from a fresh manager over the same folder.
+    """
+    tc = ctx.tierckpt
+    assert tc is not None
+    out: Metrics = {}
+    d = fresh_dir(ctx.scratch, "tierckpt")
+    try:
+        stalls: list[float] = []
+        durables: list[float] = []
+        lib_durables: list[float] = []
+        rss_after: list[int] = []
+        base = rss_bytes()
+        with RssSampler(0.02) as rss:
+            mgr = tc.CheckpointManager(d / "local", **ctx.tierckpt_kwargs)
+            try:
+                for k in range(ctx.saves):
+                    t0 = time.perf_counter()
+                    h = mgr.save(k + 1, ctx.state)
+                    stalls.append(time.perf_counter() - t0)
+                    durables.append(_future_seconds(h.persisted, t0))
+                    lib_durables.append(float(h.persisted.result()))
+                    mgr.wait()
+                    rss_after.append(rss_bytes())
+            finally:
+                mgr.close()
+        out["rss_extra"] = rss.peak - base
+        out["first_stall"] = stalls[0]
+        out["first_durable"] = durables[0]
+        steady = stalls[1:] or stalls
+        out["stall"] = median(steady)
+        out["stall_max"] = max(steady)
+        out["durable"] = median(durables[1:] or durables)
+        out["durable_lib"] = median(lib_durables[1:] or lib_durables)
+        out["rss_growth_steady"] = rss_after[-1] - rss_after[1] if len(rss_after) > 2 else None
+        del mgr
+        settle()
+        if ctx.loads:
+            mgr = tc.CheckpointManager(d / "local", **ctx.tierckpt_kwargs)
+            try:
+                ctx.clear_dst()
+                settle()
+                out["cold_cache"] = drop_caches()
+                base = rss_bytes()
+                with RssSampler(0.02) as rss2, timed(out, "load_cold"):
+                    step = mgr.restore(ctx.dst)
+                out["rss_extra_restore"] = rss2.peak - base
+                out["restored_step_ok"] = step == ctx.saves
+                out["load_ok"] = ctx.verify()
+                with timed(out, "load_warm"):
+                    mgr.restore(ctx.dst)
+            finally:
+                mgr.close()
+    finally:
+        remove(d)
+    return out
+
+
+def make_case_tierckpt_remote(kind: str) -> Callable[[Ctx], Metrics]:
+    """tierckpt with a remote tier (``"posix"``: a folder on the same disk; ``"s3"``: moto on loopback).
+
+    Two saves; the second (steady state) is reported: ``stall``, ``durable`` (local), ``remote_durable`` (until
+    ``handle.uploaded`` completes, from the start of the save) and ``upload`` (remote minus local).
+    """
+
+    def case(ctx: Ctx) -> Metrics:
+        tc = ctx.tierckpt
+        assert tc is not None
+        out: Metrics = {}
+        d = fresh_dir(ctx.scratch, f"tierckpt-{kind}")
+        s3_prefix = None
+        try:
+            kwargs = dict(ctx.tierckpt_kwargs)
+            kwargs.setdefault("keep_remote", 1)
+            if kind == "posix":
+                remote: str = str(d / "remote")
+            else:
+                if ctx.s3 is None:
+                    return {"skipped": "no S3 server"}
+                s3_prefix = f"{ctx.s3['bucket']}/{d.name}"
+                remote = f"s3://{s3_prefix}"
+                kwargs["storage_options"] = ctx.s3["storage_options"]
+            base = rss_bytes()
+            rss = RssSampler(0.02).__enter__()
+            mgr = tc.CheckpointManager(d / "local", remote=remote, **kwargs)
+            try:
+                for k in range(2):
+                    t0 = time.perf_counter()
+                    h = mgr.save(k + 1, ctx.state)
+                    stall = time.perf_counter() - t0
+                    durable = _future_seconds(h.persisted, t0)
+                    remote_durable = _future_seconds(h.uploaded, t0)
+                    mgr.wait()
+                    if k == 0:
+                        out["first_stall"], out["first_remote_durable"] = stall, remote_durable
+                out["stall"], out["durable"], out["remote_durable"] = stall, durable, remote_durable
+                out["upload"] = remote_durable - durable
+            finally:
+                mgr.close()
+                rss.__exit__()
+                if kind != "s3":  # moto's server runs in this process and holds the objects in memory
+                    out["rss_extra"] = rss.peak - base
+        finally:
+            remove(d)
+            if s3_prefix is not None and ctx.s3 is not None:
+                import s3fs
+
+                fs = s3fs.S3FileSystem(**ctx.s3["storage_options"], skip_instance_cache=True)
+                if fs.exists(s3_prefix):
+                    fs.rm(s3_prefix, recursive=True)
+        return out
+
+    case.__name__ = f"case_tierckpt_{kind}"
+    return case
