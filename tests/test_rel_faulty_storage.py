@@ -12,6 +12,7 @@ import errno
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +131,14 @@ def test_remote_blip_is_retried(tmp_path: Path) -> None:
     assert cli.main(["verify", str(tmp_path / "remote")]) == 0
 
 
+def _save_past_upload_errors(mgr: CheckpointManager, step: int, state: dict) -> Any:
+    """save(), once more if it re-raised an earlier step's upload error (it does so before doing anything)."""
+    try:
+        return mgr.save(step, state)
+    except UploadError:
+        return mgr.save(step, state)
+
+
 def test_remote_down_keeps_every_local_copy_then_catches_up(tmp_path: Path) -> None:
     """A remote down for good (a permanent error): every upload fails with UploadError, local retention deletes
     nothing (keep_local=1, yet every step stays: it is the only copy), restore works from the local tier. A new
@@ -138,7 +147,7 @@ def test_remote_down_keeps_every_local_copy_then_catches_up(tmp_path: Path) -> N
         tmp_path, fail={"makedirs": "all", "open_write": "all", "write_bytes": "all"},
         error_factory=lambda op, n: PermissionError(13, f"injected: remote refuses {op} #{n}"))
     with pytest.raises(UploadError) as ei, mgr:
-        handles = [mgr.save(step, _state(step, 1000)) for step in (1, 2, 3)]
+        handles = [_save_past_upload_errors(mgr, step, _state(step, 1000)) for step in (1, 2, 3)]
         for h in handles:
             h.persisted.result(timeout=30)
             assert isinstance(h.uploaded.exception(timeout=30), UploadError)
@@ -159,6 +168,28 @@ def test_remote_down_keeps_every_local_copy_then_catches_up(tmp_path: Path) -> N
         state = _empty(1000)
         assert mgr2.restore(state, step=2, source="remote") == 2
         assert_tree_equal(state, _state(2, 1000))
+
+
+def test_remote_down_for_a_while_the_same_manager_catches_up(tmp_path: Path) -> None:
+    """The remote refuses every write for two saves, then comes back: the next successful upload makes the same
+    manager re-queue the two failed steps, and local retention then trims the local tier."""
+    mgr, faulty = _with_faulty_remote(
+        tmp_path, fail={"makedirs": "all", "open_write": "all", "write_bytes": "all"},
+        error_factory=lambda op, n: PermissionError(13, f"injected: remote refuses {op} #{n}"))
+    with mgr:
+        for step in (1, 2):
+            h = mgr.save(step, _state(step, 1000))
+            assert isinstance(h.uploaded.exception(timeout=30), UploadError)
+            with pytest.raises(UploadError):  # re-raised once, by the next call
+                mgr.wait()
+        assert [s.state for s in mgr.steps()] == ["upload-failed", "upload-failed"]
+        mgr.remote = faulty.inner  # the remote is back
+        h = mgr.save(3, _state(3, 1000))
+        assert h.uploaded.result(timeout=60) is not None
+        mgr.wait()
+        assert sorted(list_root(faulty.inner).steps) == [1, 2, 3]
+        assert sorted(list_root(mgr.local).steps) == [3]  # keep_local=1, and every step is now durable remotely
+    assert cli.main(["verify", str(tmp_path / "remote")]) == 0
 
 
 def test_local_retention_after_remote_retention(tmp_path: Path) -> None:

@@ -87,6 +87,7 @@ def upload_loop(mgr: CheckpointManager) -> None:
                 mgr._write_record(handle)
             apply_remote_retention(mgr)
             apply_local_retention(mgr)
+            catch_up(mgr)
             fut.set_result(None)
         except BaseException as exc:
             mgr._upload_failed.add(step)
@@ -97,6 +98,29 @@ def upload_loop(mgr: CheckpointManager) -> None:
                 handle.uploaded.set_exception(exc)
                 mgr._write_record(handle)
             fut.set_result(None)
+
+
+def catch_up(mgr: CheckpointManager) -> None:
+    """After an upload succeeds (the remote is reachable again), re-queue the steps whose upload failed earlier and
+    that the remote's retention would still keep; the others are superseded by a newer durable step."""
+    failed = sorted(mgr._upload_failed)
+    if not failed:
+        return
+    assert mgr.remote is not None
+    try:
+        remote_steps = set(list_root(mgr.remote).steps)
+        local_steps = set(list_root(mgr.local).steps)
+    except Exception as exc:
+        log.warning("tier remote: cannot list for catching up failed uploads: %s", exc)
+        return
+    policy = KeepPolicy(keep_last=mgr.options.keep_remote, keep_every=mgr.options.keep_every)
+    for step in failed:
+        mgr._upload_failed.discard(step)
+        if step in remote_steps or step not in local_steps or step in policy.to_delete(remote_steps | {step}):
+            mgr._uploaded_remote.add(step)  # durable remotely, gone, or superseded: local retention may proceed
+            continue
+        log.info("tier remote: retrying the upload of step %d, which failed earlier", step)
+        enqueue_upload(mgr, step, None)
 
 
 def apply_local_retention(mgr: CheckpointManager) -> None:
