@@ -73,25 +73,39 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .status import list_steps
     from .tiers.verify import list_root
 
-    store, only = _open_root(args.root, _storage_options(args.storage_option))
+    opts = _storage_options(args.storage_option)
+    store, only = _open_root(args.root, opts)
     listing = list_root(store)
-    infos = [i for i in list_steps(store, None, set(), set()) if only is None or i.step == only]
+    remote = open_store(args.remote, storage_options=opts, tier="remote", create=False) if args.remote else None
+    infos = [i for i in list_steps(store, remote, set(), set()) if only is None or i.step == only]
+
+    def state(i: Any) -> str:
+        if i.state == "failed":
+            return "unreadable"
+        return i.state if remote is not None else "committed"
+
+    def ranks(i: Any) -> str:
+        if not i.world_size or i.world_size == 1:
+            return "1"
+        return f"{i.world_size} (here: {'all' if i.ranks_here is None else list(i.ranks_here)})"
+
     if args.json:
         print(json.dumps({
-            "root": store.url,
-            "steps": [{"step": i.step, "state": "committed" if i.state != "failed" else "unreadable",
-                       "bytes": i.bytes, "created": i.created} for i in infos],
+            "root": store.url, "remote": remote.url if remote else None,
+            "steps": [{"step": i.step, "state": state(i), "local": i.local, "remote": i.remote, "bytes": i.bytes,
+                       "created": i.created, "world_size": i.world_size,
+                       "ranks_here": None if i.ranks_here is None else list(i.ranks_here)} for i in infos],
             "incomplete": listing.incomplete,
         }))
         return EXIT_OK
     if not infos and not listing.incomplete:
         print(f"no checkpoints under {store.url}")
         return EXIT_OK
-    print(f"{'STEP':>12}  {'STATE':<12} {'SIZE':>10}  CREATED")
+    print(f"{'STEP':>12}  {'STATE':<13} {'SIZE':>10}  {'CREATED':<19}  RANKS")
     for i in infos:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created)) if i.created else "?"
         size = f"{i.bytes / 2**20:.1f} MiB" if i.bytes is not None else "?"
-        print(f"{i.step:>12}  {'committed' if i.state != 'failed' else 'unreadable':<12} {size:>10}  {created}")
+        print(f"{i.step:>12}  {state(i):<13} {size:>10}  {created:<19}  {ranks(i)}")
     for name in listing.incomplete:
         print(f"{'-':>12}  {'incomplete':<12} {'':>10}  {name} (leftover of an unfinished save)")
     return EXIT_OK
@@ -195,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("ls", help="list committed steps and leftovers")
     sp.add_argument("root")
+    sp.add_argument("--remote", help="also list this remote tier: each step shows local, remote or local+remote")
     common(sp)
     sp.set_defaults(fn=cmd_ls)
     sp = sub.add_parser("verify", help="re-hash every file of every committed step against its manifest")

@@ -23,6 +23,9 @@ class StepInfo:
     state: str
     bytes: int | None
     created: float | None
+    world_size: int | None = None
+    #: ranks whose shards the first listed tier holds (None: all of them)
+    ranks_here: tuple[int, ...] | None = None
 
 
 def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uploading: set[int]) -> list[StepInfo]:
@@ -40,9 +43,10 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
         try:
             m = read_step_manifest(store, layout.step_dir(step), step)
             size, created = (m.total_bytes, m.created) if m else (None, None)
+            world, held = (m.world_size, m.holds_ranks) if m else (None, None)
             broken = m is None
         except Exception:
-            size, created, broken = None, None, True
+            size, created, broken, world, held = None, None, True, None, None
         if broken:
             state = "failed"
         elif step in loc and step in rem:
@@ -53,5 +57,5 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
             state = "upload-failed"
         else:
             state = "local" if step in loc else "remote"
-        out.append(StepInfo(step, step in loc, step in rem, state, size, created))
+        out.append(StepInfo(step, step in loc, step in rem, state, size, created, world, held))
     return out
