@@ -17,6 +17,7 @@ from .storage.base import Store
 from .storage.commit import read_step_manifest
 from .tiers import sharded
 from .tiers.verify import list_root
+from .tiers.writer import RankSnapshot
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -29,18 +30,17 @@ def save_id(run_id: str, step: int) -> str:
     return xxhash.xxh3_64_hexdigest(f"{run_id}:{step}".encode())
 
 
-def persist(mgr: CheckpointManager, *, step: int, sid: str, files: list, leaves: list, tree: Any, metadata: Any,
-            release: Callable[[], None]) -> StepManifest:
+def persist(mgr: CheckpointManager, snap: RankSnapshot, *, release: Callable[[], None]) -> StepManifest:
     """Write this rank's shard, agree with every rank, commit on this node. Raises if any rank failed."""
     coord = mgr._coord
     assert coord is not None
     topo = coord.topology
+    step, sid = snap.step, snap.save_id
     outcome: tuple[Any, ...]
     written = False
     try:
-        rm, ref = sharded.persist_shard(mgr.local, step=step, rank=topo.rank, world_size=topo.world_size, save_id=sid,
-                                        files=files, leaves=leaves, tree=tree, metadata=metadata, executor=mgr._io)
-        outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), metadata)
+        rm, ref = sharded.persist_shard(mgr.local, snap, mgr._io)
+        outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), snap.metadata)
         written = True
     except Exception as exc:
         log.error("tier local: rank %d could not write its shard of step %d: %s", topo.rank, step, exc)

@@ -288,13 +288,12 @@ class CheckpointManager:
                 self._pool.release(slot)
 
         try:
+            sid = layout.new_save_id() if self._coord is None else _sharded.save_id(self._coord.topology.run_id, step)
+            snap = writer.RankSnapshot(step, self.rank, self.world_size, sid, files, leaves_meta, tree_json, metadata)
             if self._coord is None:
-                writer.persist(self.local, step=step, rank=self.rank, world_size=self.world_size,
-                               save_id=layout.new_save_id(), files=files, leaves=leaves_meta, tree=tree_json,
-                               metadata=metadata, executor=self._io)
+                writer.persist(self.local, snap, self._io)
             else:
-                _sharded.persist(self, step=step, sid=_sharded.save_id(self._coord.topology.run_id, step), files=files,
-                                 leaves=leaves_meta, tree=tree_json, metadata=metadata, release=release)
+                _sharded.persist(self, snap, release=release)
         except BaseException as exc:
             release()
             handle._record.error = str(exc)

@@ -36,33 +36,20 @@ from ..storage.commit import read_step_manifest
 from ..storage.local import LocalStore
 from ..storage.retry import RetryPolicy
 from .reader import read_manifests
-from .writer import LeafMeta, StagedFile, write_rank
+from .writer import RankSnapshot, write_rank
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 
 
-def persist_shard(
-    store: LocalStore,
-    *,
-    step: int,
-    rank: int,
-    world_size: int,
-    save_id: str,
-    files: list[StagedFile],
-    leaves: list[LeafMeta],
-    tree: Any,
-    metadata: Any,
-    executor: Executor,
-) -> tuple[RankManifest, RankRef]:
+def persist_shard(store: LocalStore, snap: RankSnapshot, executor: Executor) -> tuple[RankManifest, RankRef]:
     """Steps 1-2: this rank's shard durable inside ``step-<N>/``, not yet part of any committed step."""
-    tmp = layout.tmp_dir(step, save_id, rank)
-    folder = layout.step_dir(step)
+    tmp = layout.tmp_dir(snap.step, snap.save_id, snap.rank)
+    folder = layout.step_dir(snap.step)
     store.makedirs(tmp)
     try:
-        rm, raw, rname = write_rank(store, tmp, step=step, rank=rank, world_size=world_size, save_id=save_id,
-                                   files=files, leaves=leaves, tree=tree, metadata=metadata, executor=executor)
+        rm, raw, rname = write_rank(store, tmp, snap, executor)
         store.sync_dir(tmp)
         store.makedirs(folder)
         for f in rm.files:
@@ -71,7 +58,7 @@ def persist_shard(
         store.sync_dir(folder)
     finally:
         store.remove(tmp)
-    return rm, RankRef(rank, rname, len(raw), hashing.digest(raw).hex())
+    return rm, RankRef(snap.rank, rname, len(raw), hashing.digest(raw).hex())
 
 
 def discard_shard(store: LocalStore, step: int, rank: int, save_id: str) -> None:

@@ -85,71 +85,60 @@ def _write_file(store: Store, rel: str, f: StagedFile, leaves: list[LeafMeta]) -
     return seg.file_checksum(), seg.digests
 
 
-def write_rank(
-    store: Store,
-    folder: str,
-    *,
-    step: int,
-    rank: int,
-    world_size: int,
-    save_id: str,
-    files: list[StagedFile],
-    leaves: list[LeafMeta],
-    tree: Any,
-    metadata: Any,
-    executor: Executor,
-) -> tuple[RankManifest, bytes, str]:
+@dataclass(frozen=True)
+class RankSnapshot:
+    """One rank's staged snapshot of one step: what the persist thread hands to the writers."""
+
+    step: int
+    rank: int
+    world_size: int
+    save_id: str
+    files: list[StagedFile]
+    leaves: list[LeafMeta]
+    tree: Any
+    metadata: Any
+
+
+def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor) -> tuple[RankManifest, bytes, str]:
     """Write one rank's data files (in parallel, hashed on the way) and then its rank manifest into ``folder``."""
-    names = [layout.data_file_name(rank, f.part, save_id) for f in files]
-    results = list(executor.map(lambda fn: _write_file(store, join(folder, fn[0]), fn[1], leaves), zip(names, files)))
+    names = [layout.data_file_name(snap.rank, f.part, snap.save_id) for f in snap.files]
+    results = list(executor.map(lambda fn: _write_file(store, join(folder, fn[0]), fn[1], snap.leaves),
+                                zip(names, snap.files)))
     file_records = []
     tensor_sums: dict[int, str] = {}
-    for f, name, (checksum, digests) in zip(files, names, results):
+    for f, name, (checksum, digests) in zip(snap.files, names, results):
         file_records.append(FileRecord(name=name, size=len(f.data), checksum=checksum, data_start=f.data_start))
         for i, d in zip(f.leaves, digests[1:]):
             tensor_sums[i] = d.hex()
     tensors = tuple(
         TensorRecord(i, m.name, m.path, m.dtype, m.shape, m.part, m.offset, m.nbytes, tensor_sums.get(i, ""), m.kind,
                      m.shard)
-        for i, m in enumerate(leaves)
+        for i, m in enumerate(snap.leaves)
     )
     rank_manifest = RankManifest(
-        step=step, rank=rank, world_size=world_size, save_id=save_id, files=tuple(file_records), tensors=tensors,
-        tree=tree, metadata=metadata,
+        step=snap.step, rank=snap.rank, world_size=snap.world_size, save_id=snap.save_id, files=tuple(file_records),
+        tensors=tensors, tree=snap.tree, metadata=snap.metadata,
     )
     raw = rank_manifest.to_bytes()
-    rname = layout.rank_manifest_name(rank, save_id)
+    rname = layout.rank_manifest_name(snap.rank, snap.save_id)
     faults.point("before-manifest")
     store.write_bytes(join(folder, rname), raw)
     return rank_manifest, raw, rname
 
 
-def persist(
-    store: Store,
-    *,
-    step: int,
-    rank: int,
-    world_size: int,
-    save_id: str,
-    files: list[StagedFile],
-    leaves: list[LeafMeta],
-    tree: Any,
-    metadata: Any,
-    executor: Executor,
-) -> PersistResult:
+def persist(store: Store, snap: RankSnapshot, executor: Executor) -> PersistResult:
     """Write, checksum and commit one rank's snapshot as step ``step`` (single-rank steps commit here)."""
     t0 = time.perf_counter()
+    step, rank, save_id = snap.step, snap.rank, snap.save_id
     protocol = protocol_for(store)
     folder = layout.tmp_dir(step, save_id)
     try:
         folder = protocol.begin(store, step, save_id)
-        rank_manifest, raw, rname = write_rank(store, folder, step=step, rank=rank, world_size=world_size,
-                                               save_id=save_id, files=files, leaves=leaves, tree=tree,
-                                               metadata=metadata, executor=executor)
+        rank_manifest, raw, rname = write_rank(store, folder, snap, executor)
         manifest = StepManifest(
-            step=step, world_size=world_size, save_id=save_id,
+            step=step, world_size=snap.world_size, save_id=save_id,
             ranks=(RankRef(rank, rname, len(raw), hashing.digest(raw).hex()),),
-            total_bytes=rank_manifest.total_bytes, metadata=metadata,
+            total_bytes=rank_manifest.total_bytes, metadata=snap.metadata,
         )
         store.write_bytes(join(folder, layout.STEP_MANIFEST), manifest.to_bytes())
         faults.point("after-manifest")
