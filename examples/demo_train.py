@@ -83,8 +83,9 @@ def train(args: argparse.Namespace, role: str) -> None:
         if restored is not None:
             torch.set_rng_state(state["rng"])
             start = state["step"]
-            print(f"[{role}] restored step {restored} in {time.perf_counter() - t0:.3f} s "
-                  f"(verified; from {'local' if os.listdir(args.local) else 'remote'} tier)", flush=True)
+            took = time.perf_counter() - t0
+            tier = "local" if any(i.step == restored and i.local for i in mgr.steps()) else "remote"
+            print(f"[{role}] restored step {restored} in {took:.3f} s (verified; from the {tier} tier)", flush=True)
         else:
             print(f"[{role}] no checkpoint found, starting from scratch", flush=True)
     for step in range(start + 1, args.steps + 1):
