@@ -28,10 +28,24 @@ from .dtypes import CODE_TO_TORCH
 
 def _dtensor_class() -> type | None:
     try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
+        from torch.distributed.tensor import DTensor  # torch >= 2.5
+    except ImportError:  # pragma: no cover - older torch, or torch without distributed
+        try:
+            from torch.distributed._tensor import DTensor  # torch 2.4
+        except ImportError:
+            return None
     return DTensor
+
+
+def _dtensor_api() -> tuple[Any, Any, Any]:
+    """(Replicate, Shard, compute_local_shape_and_global_offset) wherever this torch keeps them."""
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch 2.4
+        from torch.distributed._tensor import Replicate, Shard
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    return Replicate, Shard, compute_local_shape_and_global_offset
 
 
 _DTENSOR: type | None = _dtensor_class()
@@ -43,9 +57,7 @@ def is_dtensor(obj: Any) -> bool:
 
 def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
     """(global offset of this rank's shard, whether this rank writes it) for a DTensor ``t``."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    Replicate, Shard, compute_local_shape_and_global_offset = _dtensor_api()  # noqa: N806
     mesh, placements = t.device_mesh, t.placements
     for p in placements:
         if not isinstance(p, (Shard, Replicate)):
@@ -122,8 +134,8 @@ def to_live_layout(live: Any, local: torch.Tensor) -> Any:
     """A value shaped like ``live`` holding ``local`` (its box): a DTensor with the same mesh and placements, or the
     plain tensor itself."""
     if is_dtensor(live):
-        from torch.distributed.tensor import DTensor
-
+        DTensor = _DTENSOR  # noqa: N806
+        assert DTensor is not None
         return DTensor.from_local(local.to(live.to_local().device), live.device_mesh, live.placements,
                                   shape=live.shape, stride=live.stride(), run_check=False)
     return local
