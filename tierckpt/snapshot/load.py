@@ -202,7 +202,8 @@ class _Checker:
                 continue
             self.value(cur, key, pair[1], sub, depth + 1)
         if self.strict:
-            missing = [k for k in cur if k not in set(saved_keys)]
+            saved_set = set(saved_keys)
+            missing = [k for k in cur if k not in saved_set]
             if missing:
                 raise _mismatch(f"key {missing[0]!r} missing from the checkpoint (strict=False allows it)", path, self.step)
 
