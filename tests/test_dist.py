@@ -8,15 +8,10 @@ folders themselves. Single-process twins of the error paths: tests/test_dist_sin
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +19,13 @@ from typing import Any
 
 import pytest
 from _dist_worker import make_state, summarize
+from _ranks import assert_all_ok, rank_env, run_ranks
 
 from tierckpt import cli
 
 pytestmark = [pytest.mark.timeout(240)]
 
 TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
 WORKER = TESTS_DIR / "_dist_worker.py"
 #: gloo timeout for the manager's groups (a dead peer usually fails a collective at once; this is the bound)
 COLLECTIVE_TIMEOUT_S = 20
@@ -52,16 +47,6 @@ class Run:
         return rec
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    env.pop("TIERCKPT_FAULT", None)
-    env.update(extra or {})
-    return env
-
-
 def launch(scenario: str, world: int, root: Path, *, extra: dict[str, Any] | None = None, timeout: float = 120,
            expect_ok: bool = True) -> Run:
     """Start ``world`` rank processes of ``scenario`` and wait for all of them (killing them all past ``timeout``)."""
@@ -70,35 +55,11 @@ def launch(scenario: str, world: int, root: Path, *, extra: dict[str, Any] | Non
            "timeout": COLLECTIVE_TIMEOUT_S, **(extra or {})}
     cfg_path = root / f"config-{scenario}.json"
     cfg_path.write_text(json.dumps(cfg))
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(root / f"log-{scenario}-r{rank}.txt", "w")) for rank in range(world)]
-        procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(rank), str(cfg_path)], env=_env(),
-                                  stdout=logs[rank], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root)
-                 for rank in range(world)]
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        try:
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-        finally:  # never leave a rank behind (timeout, or the test interrupted)
-            for p in procs:
-                if p.poll() is None:
-                    os.kill(p.pid, signal.SIGKILL)
-                    p.wait()
-    texts = [(root / f"log-{scenario}-r{r}.txt").read_text() for r in range(world)]
-    results = []
-    for r in range(world):
-        path = root / f"result-{scenario}-r{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-    run = Run(root, [p.returncode for p in procs], results, texts)
-    if timed_out or expect_ok:
-        detail = "\n".join(f"--- rank {r} (rc {run.returncodes[r]}):\n{texts[r][-3000:]}" for r in range(world))
-        assert not timed_out, f"{scenario}: ranks still running after {timeout} s\n{detail}"
-        assert run.returncodes == [0] * world, f"{scenario}: a rank failed\n{detail}"
-    return run
+    ranks = run_ranks(lambda r: [str(WORKER), scenario, str(r), str(cfg_path)], world, root, scenario,
+                      env=rank_env(), timeout=timeout)
+    if ranks.timed_out or expect_ok:
+        assert_all_ok(ranks, scenario, timeout)
+    return Run(root, ranks.returncodes, ranks.results, ranks.logs)
 
 
 def expected(rank: int, step: int) -> dict[str, Any]:

@@ -11,20 +11,14 @@ the remote taken right after ``save2`` (``load4`` damages the original at its en
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _ranks import assert_all_ok, rank_env, run_ranks
 from _reshard_worker import (
     M2_SAVE_PLACEMENTS,
     damage_rank1,
@@ -42,7 +36,6 @@ from tierckpt.tiers.reader import read_manifests
 pytestmark = [pytest.mark.timeout(240)]
 
 TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
 WORKER = TESTS_DIR / "_reshard_worker.py"
 DT_KEYS = ("w", "e", "b", "r", "i")
 
@@ -71,38 +64,10 @@ class Run:
 
 def launch(name: str, world: int, root: Path, timeout: float = 150) -> Run:
     """Start ``world`` ranks of job ``name`` and wait for all (killing them all past ``timeout``)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("TIERCKPT_FAULT", None)
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(root / f"log-{name}-r{r}.txt", "w")) for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, str(WORKER), name, str(r), str(world), str(root)], env=env,
-                                  stdout=logs[r], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root)
-                 for r in range(world)]
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        try:
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-        finally:  # never leave a rank behind
-            for p in procs:
-                if p.poll() is None:
-                    os.kill(p.pid, signal.SIGKILL)
-                    p.wait()
-    texts = [(root / f"log-{name}-r{r}.txt").read_text() for r in range(world)]
-    results = []
-    for r in range(world):
-        path = root / f"result-{name}-r{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-    run = Run(name, root, [p.returncode for p in procs], results, texts)
-    detail = "\n".join(f"--- rank {r} (rc {run.returncodes[r]}):\n{texts[r][-3000:]}" for r in range(world))
-    assert not timed_out, f"{name}: ranks still running after {timeout} s\n{detail}"
-    assert run.returncodes == [0] * world, f"{name}: a rank failed\n{detail}"
-    return run
+    ranks = run_ranks(lambda r: [str(WORKER), name, str(r), str(world), str(root)], world, root, name,
+                      env=rank_env(), timeout=timeout)
+    assert_all_ok(ranks, name, timeout)
+    return Run(name, root, ranks.returncodes, ranks.results, ranks.logs)
 
 
 @pytest.fixture(scope="module")
