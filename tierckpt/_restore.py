@@ -22,7 +22,7 @@ from .snapshot.dtensor import assemble, target_box, to_live_layout
 from .snapshot.load import plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
-from .tiers.reader import load_files, read_manifests
+from .tiers.reader import load_files, read_ranks, read_step
 from .tiers.verify import list_root
 
 if TYPE_CHECKING:
@@ -101,11 +101,11 @@ class Prepared:
 def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> Prepared:
     """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
     in ``state`` until :meth:`Prepared.apply`."""
-    manifest, _ = read_manifests(store, step, ranks=[])
+    manifest = read_step(store, step)
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
     src = mgr.rank if mgr.rank < manifest.world_size else 0
-    _, rms = read_manifests(store, step, ranks=[src])
+    rms = read_ranks(store, manifest, [src])
     if not rms:
         raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
     rm = rms[0]
@@ -191,14 +191,27 @@ def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManif
     if not targets:
         return {}
     src, own_rm, own_raw = own
-    tiers = [t for t in (store, mgr.local, mgr.remote) if t is not None]
+    tiers = list(dict.fromkeys(t for t in (store, mgr.local, mgr.remote) if t is not None))
+    step_manifests: dict[int, StepManifest | None] = {id(store): manifest}  # each tier's manifest.json, read once
+
+    def step_manifest_of(tier: Store) -> StepManifest | None:
+        if id(tier) not in step_manifests:
+            try:
+                step_manifests[id(tier)] = read_step(tier, manifest.step)
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                step_manifests[id(tier)] = None
+        return step_manifests[id(tier)]
+
     manifests: dict[int, tuple[Store, RankManifest]] = {src: (store, own_rm)}
     for ref in manifest.ranks:
         if ref.rank in manifests:
             continue
         for tier in tiers:
+            tier_manifest = step_manifest_of(tier)
+            if tier_manifest is None:
+                continue
             try:
-                _m, rms = read_manifests(tier, manifest.step, ranks=[ref.rank])
+                rms = read_ranks(tier, tier_manifest, [ref.rank])
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 continue
             if rms and rms[0].save_id == own_rm.save_id:

@@ -188,4 +188,4 @@ def _copy_from_devices(pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stre
     stream.synchronize()
 
 
-__all__ = ["StagingPool", "Slot", "copy_into", "leaf_locations", "destination_views", "CODE_TO_TORCH"]
+__all__ = ["StagingPool", "Slot", "copy_into", "leaf_locations", "destination_views"]

@@ -39,10 +39,23 @@ class LoadedRank:
 def read_manifests(store: Store, step: int, *, ranks: list[int] | None = None) -> tuple[StepManifest, list[RankManifest]]:
     """The verified step manifest and the requested ranks' manifests (by default every rank this copy holds: all,
     or for a node-local copy of a multi-rank step the ranks in its ``holds_ranks``)."""
+    manifest = read_step(store, step)
+    return manifest, read_ranks(store, manifest, ranks)
+
+
+def read_step(store: Store, step: int) -> StepManifest:
+    """The verified ``manifest.json`` of a committed step; ``CheckpointNotFoundError`` if there is none."""
     folder = layout.step_dir(step)
     manifest = read_step_manifest(store, folder, step)
     if manifest is None:
         raise CheckpointNotFoundError("no committed checkpoint", step=step, tier=store.tier, path=f"{store.url}/{folder}")
+    return manifest
+
+
+def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = None) -> list[RankManifest]:
+    """The requested ranks' manifests of a step whose ``manifest`` was already read, each checked against it."""
+    step = manifest.step
+    folder = layout.step_dir(step)
     if ranks is None and manifest.holds_ranks is not None:
         ranks = list(manifest.holds_ranks)
     if ranks is not None and manifest.holds_ranks is not None and not set(ranks) <= set(manifest.holds_ranks):
@@ -74,7 +87,7 @@ def read_manifests(store: Store, step: int, *, ranks: list[int] | None = None) -
             raise CorruptCheckpointError("rank manifest belongs to another step or rank", step=step, tier=store.tier,
                                          path=where, bad_files=[ref.name])
         out.append(rm)
-    return manifest, out
+    return out
 
 
 def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
