@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,10 +31,25 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass
 class Ranks:
+    """The outcome of one multi-rank job: exit codes, each rank's recorded phases, each rank's log."""
+
+    name: str
+    root: Path
     returncodes: list[int | None]
     results: list[dict[str, Any]]
     logs: list[str]
     timed_out: bool
+
+    def phase(self, rank: int, name: str) -> dict[str, Any]:
+        """One rank's record of one phase; a phase that raised fails the test with the rank's traceback."""
+        rec = self.results[rank].get(name)
+        assert rec is not None, f"{self.name}: rank {rank} recorded no phase {name!r}; log:\n{self.logs[rank][-4000:]}"
+        if isinstance(rec, dict) and "phase_error" in rec:
+            pytest.fail(f"{self.name}: rank {rank}, phase {name!r} raised:\n{rec['traceback']}")
+        return rec
+
+    def phases(self, name: str) -> list[dict[str, Any]]:
+        return [self.phase(r, name) for r in range(len(self.results))]
 
     def detail(self) -> str:
         return "\n".join(f"--- rank {r} (rc {rc}):\n{log[-3000:]}"
@@ -66,7 +83,7 @@ def run_ranks(argv: Callable[[int], list[str]], world: int, root: Path, name: st
         path = root / f"result-{name}-r{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else {})
     texts = [(root / f"log-{name}-r{r}.txt").read_text() for r in range(world)]
-    return Ranks([p.returncode for p in procs], results, texts, timed_out)
+    return Ranks(name, root, [p.returncode for p in procs], results, texts, timed_out)
 
 
 def assert_all_ok(ranks: Ranks, name: str, timeout: float) -> None:

@@ -13,13 +13,12 @@ import secrets
 import shutil
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _dist_worker import make_state, summarize
-from _ranks import assert_all_ok, rank_env, run_ranks
+from _ranks import Ranks, assert_all_ok, rank_env, run_ranks
 
 from tierckpt import cli
 
@@ -31,20 +30,7 @@ WORKER = TESTS_DIR / "_dist_worker.py"
 COLLECTIVE_TIMEOUT_S = 20
 
 
-@dataclass
-class Run:
-    root: Path
-    returncodes: list[int | None]
-    results: list[dict[str, Any]]
-    logs: list[str]
-
-    def phase(self, rank: int, name: str) -> dict[str, Any]:
-        """One rank's record of one phase; a phase that raised fails the test with the rank's traceback."""
-        rec = self.results[rank].get(name)
-        assert rec is not None, f"rank {rank} recorded no phase {name!r}; log:\n{self.logs[rank][-4000:]}"
-        if isinstance(rec, dict) and "phase_error" in rec:
-            pytest.fail(f"rank {rank}, phase {name!r} raised:\n{rec['traceback']}")
-        return rec
+Run = Ranks  # one job's outcome (tests/_ranks.py)
 
 
 def launch(scenario: str, world: int, root: Path, *, extra: dict[str, Any] | None = None, timeout: float = 120,
@@ -59,7 +45,7 @@ def launch(scenario: str, world: int, root: Path, *, extra: dict[str, Any] | Non
                       env=rank_env(), timeout=timeout)
     if ranks.timed_out or expect_ok:
         assert_all_ok(ranks, scenario, timeout)
-    return Run(root, ranks.returncodes, ranks.results, ranks.logs)
+    return ranks
 
 
 def expected(rank: int, step: int) -> dict[str, Any]:

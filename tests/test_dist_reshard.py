@@ -12,13 +12,12 @@ the remote taken right after ``save2`` (``load4`` damages the original at its en
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _ranks import assert_all_ok, rank_env, run_ranks
+from _ranks import Ranks, assert_all_ok, rank_env, run_ranks
 from _reshard_worker import (
     M2_SAVE_PLACEMENTS,
     damage_rank1,
@@ -40,26 +39,8 @@ WORKER = TESTS_DIR / "_reshard_worker.py"
 DT_KEYS = ("w", "e", "b", "r", "i")
 
 
-
 # ------------------------------------------------------------------------------------------------ jobs
-@dataclass
-class Run:
-    name: str
-    root: Path
-    returncodes: list[int | None]
-    results: list[dict[str, Any]]
-    logs: list[str]
-
-    def phase(self, rank: int, name: str) -> dict[str, Any]:
-        """One rank's record of one phase; a phase that raised fails the test with the rank's traceback."""
-        rec = self.results[rank].get(name)
-        assert rec is not None, f"{self.name}: rank {rank} recorded no phase {name!r}; log:\n{self.logs[rank][-4000:]}"
-        if "phase_error" in rec:
-            pytest.fail(f"{self.name}: rank {rank}, phase {name!r} raised:\n{rec['traceback']}")
-        return rec
-
-    def phases(self, name: str) -> list[dict[str, Any]]:
-        return [self.phase(r, name) for r in range(len(self.results))]
+Run = Ranks  # one job's outcome (tests/_ranks.py)
 
 
 def launch(name: str, world: int, root: Path, timeout: float = 150) -> Run:
@@ -67,7 +48,7 @@ def launch(name: str, world: int, root: Path, timeout: float = 150) -> Run:
     ranks = run_ranks(lambda r: [str(WORKER), name, str(r), str(world), str(root)], world, root, name,
                       env=rank_env(), timeout=timeout)
     assert_all_ok(ranks, name, timeout)
-    return Run(name, root, ranks.returncodes, ranks.results, ranks.logs)
+    return ranks
 
 
 @pytest.fixture(scope="module")
