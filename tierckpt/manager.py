@@ -77,6 +77,8 @@ class CheckpointManager:
             :meth:`snapshot_barrier` (automatic before ``optimizer.step()``) waits for it. Tensors changed in place
             before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
             by hand.
+        direct_io: write (and read) the local tier's data files with ``O_DIRECT`` where the file system allows it:
+            the bytes go from the staging buffer to the disk without a copy through the page cache.
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
@@ -103,6 +105,7 @@ class CheckpointManager:
         pin_memory: bool | None = None,
         log_records: bool = True,
         lazy_snapshot: bool = False,
+        direct_io: bool = True,
         collective_timeout_s: float = 600.0,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
@@ -116,6 +119,7 @@ class CheckpointManager:
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
             cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
             collective_timeout_s=collective_timeout_s, lazy_snapshot=lazy_snapshot,
+            direct_io=direct_io,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -124,7 +128,7 @@ class CheckpointManager:
         self._preemption = Preemption()
         self._slow = SlowSaveMonitor()
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.local: LocalStore = LocalStore(local_dir, tier="local")
+        self.local: LocalStore = LocalStore(local_dir, tier="local", direct_io=self.options.direct_io)
         self._coord = None
         if self.world_size > 1:  # every rank constructs its manager: the groups are created collectively here
             from .distributed import Coordinator
@@ -374,9 +378,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ restore
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, source: str = "auto",
-                strict: bool = True) -> int | None:
-        """Load the newest intact step (or exactly ``step``) into ``state`` in place; returns the step or None."""
+                strict: bool = True, in_place: bool = False) -> int | None:
+        """Load the newest intact step (or exactly ``step``) into ``state`` in place; returns the step or None.
+
+        By default every byte is verified in a staging buffer before the state changes: a failed restore leaves
+        the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into them (no extra copy or
+        state-sized buffer; the fast choice at start-up): still verified before this returns, a corrupt copy is
+        still replaced by the next one, but if no copy verifies, those tensors are left partly overwritten.
+        """
         self._check_open()
+        if not isinstance(in_place, bool):
+            raise ValueError(f"in_place must be a bool, got {in_place!r}")
         if source not in ("auto", "local", "remote"):
             raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
         if step is not None and (type(step) is not int or step < 0):
@@ -389,8 +401,9 @@ class CheckpointManager:
                 wait_futures([fut])
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
         if self._coord is not None:
-            return _sharded.restore(self, state, step, tiers, strict=strict, load=lambda *a: _restore.prepare(self, *a))
-        return _restore.restore(self, state, step, tiers, strict=strict)
+            return _sharded.restore(self, state, step, tiers, strict=strict,
+                                    load=lambda *a: _restore.prepare(self, *a, in_place=in_place))
+        return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place)
 
     def latest_step(self) -> int | None:
         """The newest committed step in any tier (committed = manifest present; restore verifies)."""

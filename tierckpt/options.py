@@ -25,6 +25,7 @@ class Options:
     log_records: bool = True
     collective_timeout_s: float = 600.0
     lazy_snapshot: bool = False
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -50,7 +51,7 @@ class Options:
                 raise ValueError(f"{name} must be a positive number or None, got {v!r}")
         if self.remote_compression not in (None, "zstd"):
             raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
-        for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot"):
+        for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.pin_memory not in (None, True, False):

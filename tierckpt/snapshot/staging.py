@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Grow buffers in steps of this many bytes so that a state growing a little does not reallocate every time.
 GROWTH_QUANTUM = 64 << 20
+#: Buffers start on this boundary (a page; what ``O_DIRECT`` needs), and so does every file image in them.
+BUFFER_ALIGN = 4096
 
 
 @dataclass(eq=False)
@@ -97,7 +99,7 @@ class StagingPool:
         slot._views_for, slot._views, slot._headers_for = None, [], None
         t0 = time.perf_counter()
         try:
-            slot.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            slot.buffer = aligned_empty(size, pin=self.pin)
         except RuntimeError as exc:
             raise CheckpointError(f"cannot allocate a {size}-byte staging buffer: {exc}") from exc
         self.allocations += 1
@@ -108,6 +110,16 @@ class StagingPool:
         with self._cond:
             for s in self._slots:
                 s.buffer, s._views_for, s._views, s._headers_for = None, None, [], None
+
+
+def aligned_empty(size: int, *, pin: bool) -> torch.Tensor:
+    """A 1-D uint8 tensor of ``size`` bytes whose first byte sits on a :data:`BUFFER_ALIGN` boundary.
+
+    Allocators align large blocks to 64 bytes or to a page plus a header; one spare page and a view fix that.
+    """
+    raw = torch.empty(size + BUFFER_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % BUFFER_ALIGN
+    return raw[skip : skip + size]
 
 
 def leaf_locations(plan: SnapshotPlan) -> list[tuple[int, int]]:
@@ -188,4 +200,4 @@ def _copy_from_devices(pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stre
     stream.synchronize()
 
 
-__all__ = ["StagingPool", "Slot", "copy_into", "leaf_locations", "destination_views"]
+__all__ = ["StagingPool", "Slot", "aligned_empty", "copy_into", "leaf_locations", "destination_views"]

@@ -90,6 +90,17 @@ class Store(abc.ABC):
     def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at end of file)."""
 
+    def readinto_many(self, rel: str, offset: int, bufs: list[memoryview]) -> int:
+        """Fill ``bufs`` in order from ``offset`` (a vectored read); returns the bytes read (fewer only at end of
+        file). Stores with a local path do this in one ``preadv``; the default reads buffer by buffer."""
+        total = 0
+        for buf in bufs:
+            n = self.readinto(rel, offset + total, buf)
+            total += n
+            if n < buf.nbytes:
+                break
+        return total
+
     @abc.abstractmethod
     def open_read(self, rel: str) -> BinaryIO:
         """A sequential binary reader (``read(n)``/``readinto``), for streaming verification and copies."""
