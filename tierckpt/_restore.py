@@ -3,6 +3,12 @@
 A step is tried in each tier that lists it as committed; a copy that fails verification is logged (naming the files)
 and the next copy, then the next older step, is tried. State mismatches (keys, shapes, dtypes) are not corruption:
 they are raised at once, before any byte is read, and the state is left untouched.
+
+By default every byte is read into a staging slot and verified before the state changes, so a restore that fails
+leaves the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into the tensors (no state-sized
+buffer, no second copy; what DCP and ``torch.load(mmap)`` users expect at start-up): the bytes are still verified
+before ``restore`` returns, a corrupt copy is still skipped and the next one loaded over it, but a restore that finds
+no intact copy leaves those tensors partly overwritten, and its error says so.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
-            strict: bool) -> int | None:
+            strict: bool, in_place: bool = False) -> int | None:
     listings: dict[str, set[int]] = {}
     for store in tiers:
         try:
@@ -52,7 +58,7 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
         holders = [store for store in tiers if s in listings[store.tier]]
         for store in holders:
             try:
-                _load(mgr, store, s, state, strict)
+                prepare(mgr, store, s, state, strict, in_place=in_place).apply()
             except CorruptCheckpointError as exc:
                 exc.step = s if exc.step is None else exc.step
                 exc.tier = exc.tier or store.tier
@@ -71,12 +77,19 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
                                               path=", ".join(t.url for t in tiers))
             bad = [f for e in failures for f in e.bad_files]
             raise CorruptCheckpointError(
-                "no copy of this step verifies: " + "; ".join(str(e) for e in failures), step=s, bad_files=bad,
+                "no copy of this step verifies: " + "; ".join(str(e) for e in failures) + _overwritten(in_place),
+                step=s, bad_files=bad,
                 tier="+".join(h.tier for h in holders), path=failures[-1].path if failures else holders[0].url)
     bad = [f for e in failures for f in e.bad_files]
     raise CorruptCheckpointError(
-        f"every committed step ({len(candidates)}) failed verification; newest error: {failures[0]}",
+        f"every committed step ({len(candidates)}) failed verification; newest error: {failures[0]}"
+        + _overwritten(in_place),
         step=candidates[0], bad_files=bad, tier=failures[0].tier, path=failures[0].path)
+
+
+def _overwritten(in_place: bool) -> str:
+    return (" (in_place=True: tensors of the state were partly overwritten by the unverified bytes)" if in_place
+            else " (the state was not changed)")
 
 
 class Prepared:
@@ -98,9 +111,10 @@ class Prepared:
             self._pool.release(slot)
 
 
-def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> Prepared:
+def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool, *,
+            in_place: bool = False) -> Prepared:
     """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
-    in ``state`` until :meth:`Prepared.apply`."""
+    in ``state`` until :meth:`Prepared.apply`, except, with ``in_place``, the CPU tensors the bytes are read into."""
     manifest = read_step(store, step)
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
@@ -109,7 +123,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     if not rms:
         raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
     rm = rms[0]
-    plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step)  # raises before any I/O
+    cache = store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1
+    # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
+    plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=in_place and not cache)
     if rm.world_size != mgr.world_size and not plan.dtensor_targets:
         raise StateMismatchError(
             f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed tensors "
@@ -123,8 +139,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         assert slot.buffer is not None
         return memoryview(slot.buffer[:n].numpy())
 
+    direct = {i: memoryview(t.reshape(-1).view(torch.uint8).numpy()) for i, t in plan.direct.items()}
     try:
-        views, offsets = load_files(store, rm, alloc, executor=mgr._io)
+        views, offsets = load_files(store, rm, alloc, executor=mgr._io, direct=direct)
     except BaseException:
         if "slot" in holder:
             mgr._pool.release(holder["slot"])
@@ -132,6 +149,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     buf: torch.Tensor = holder["slot"].buffer
 
     def raw(i: int) -> torch.Tensor:
+        if i in plan.direct:  # the live tensor itself: the copy in ``apply`` finds nothing to do
+            return plan.direct[i].reshape(-1).view(torch.uint8)
         rec = rm.tensors[i]
         start = offsets[rec.file] + rec.offset
         return buf[start : start + rec.nbytes]
@@ -145,14 +164,10 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     def run() -> None:
         plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step,
                    dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]))
-        if store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1:
+        if cache:
             _cache_locally(mgr.local, manifest, rm, views)
 
     return Prepared(mgr._pool, holder["slot"], run)
-
-
-def _load(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool) -> None:
-    prepare(mgr, store, step, state, strict).apply()
 
 
 def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views: tuple[memoryview, ...]) -> None:

@@ -6,13 +6,17 @@ Invariants:
 - loading is two-phase: :func:`plan_restore` checks every key, shape and dtype against the live state and raises
   :class:`StateMismatchError` before anything is read; :meth:`RestorePlan.apply` first decodes every value (a
   malformed node raises here, with the state untouched) and only then changes the state.
+- with ``in_place=True`` the plan also names, in :attr:`RestorePlan.direct`, the live CPU tensors that the reader may
+  fill straight from the files (contiguous, same dtype and shape, not distributed): their bytes then never pass
+  through a staging buffer, and ``apply`` finds source and destination to be the same memory (``copy_`` is a no-op).
+  Such tensors change while the files are read, before the whole checkpoint is verified.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Hashable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +36,13 @@ class _Decoder:
     """Turns tree nodes into Python values. ``tensor(i)`` returns a view of loaded bytes (not owned)."""
 
     def __init__(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
-                 dtensor: Callable[[str], Any] | None = None) -> None:
+                 dtensor: Callable[[str], Any] | None = None, direct: frozenset[int] = frozenset()) -> None:
         self.records = records
         self.tensor = tensor
         self.step = step
         self.dtensor = dtensor
+        #: records loaded straight into live memory: already owned by the state, so never cloned
+        self.direct = direct
 
     def bad(self, msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"malformed state tree: {msg}", step=self.step)
@@ -94,8 +100,9 @@ class _Decoder:
             vals = [self.decode(v, own=own, depth=depth + 1) for v in node[tag]]
             return tuple(vals) if tag == "$tuple" else set(vals)
         if tag == "$tensor":
-            t = self.tensor(self.index(node, tag, "torch"))
-            return t.clone() if own else t
+            i = self.index(node, tag, "torch")
+            t = self.tensor(i)
+            return t.clone() if own and i not in self.direct else t
         if tag in ("$ndarray", "$npscalar"):
             arr = self.array(self.index(node, tag, "numpy"))
             return arr[()] if tag == "$npscalar" else arr
@@ -138,10 +145,12 @@ class RestorePlan:
     actions: list[Callable[[_Decoder], Callable[[], None]]] = field(default_factory=list)
     #: key path -> (live target, saved dtype code, saved global shape) of every distributed-tensor leaf
     dtensor_targets: dict[str, tuple[Any, str, tuple[int, ...]]] = field(default_factory=dict)
+    #: record index -> live CPU tensor its bytes may be read straight into (``in_place=True`` only)
+    direct: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
               dtensor: Callable[[str], Any] | None = None) -> None:
-        dec = _Decoder(records, tensor, step=step, dtensor=dtensor)
+        dec = _Decoder(records, tensor, step=step, dtensor=dtensor, direct=frozenset(self.direct))
         # decode everything first (a malformed node raises here, before the state is touched), then commit
         commits = [action(dec) for action in self.actions]
         for commit in commits:
@@ -157,22 +166,79 @@ def _is_tag(node: Any, tag: str) -> bool:
 
 
 def plan_restore(
-    state: MutableMapping[str, Any], tree: Any, records: tuple[TensorRecord, ...], *, strict: bool, step: int | None
+    state: MutableMapping[str, Any], tree: Any, records: tuple[TensorRecord, ...], *, strict: bool, step: int | None,
+    in_place: bool = False,
 ) -> RestorePlan:
-    """Check ``tree`` against the live ``state`` and return the actions that load it in place."""
+    """Check ``tree`` against the live ``state`` and return the actions that load it in place.
+
+    ``in_place``: also collect :attr:`RestorePlan.direct` (see the module docstring)."""
     if not isinstance(state, MutableMapping):
         raise TypeError(f"state must be a mutable mapping, got {type(state).__name__}")
     if not _is_tag(tree, "$dict") and not _is_tag(tree, "$odict"):
         raise CorruptCheckpointError("malformed state tree: root is not a mapping", step=step)
     plan = RestorePlan()
-    checker = _Checker(records, strict, step, plan)
+    checker = _Checker(records, strict, step, plan, in_place=in_place)
     checker.mapping(state, tree, "state", 0)
     return plan
 
 
+def direct_target(t: Any, rec: TensorRecord) -> torch.Tensor | None:
+    """``t`` as a plain tensor the reader can fill with ``rec``'s bytes, or None where it must be staged."""
+    if (
+        type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+        or t.device.type != "cpu"
+        or not rec.nbytes
+        or rec.kind != "torch"
+        or rec.shard is not None
+        or t.dtype is not CODE_TO_TORCH.get(rec.dtype)
+        or tuple(t.shape) != rec.shape
+        or not t.is_contiguous()
+        or t.is_conj()
+        or t.is_neg()
+    ):
+        return None
+    return t.detach()
+
+
 class _Checker:
-    def __init__(self, records: tuple[TensorRecord, ...], strict: bool, step: int | None, plan: RestorePlan) -> None:
+    def __init__(self, records: tuple[TensorRecord, ...], strict: bool, step: int | None, plan: RestorePlan, *,
+                 in_place: bool = False) -> None:
         self.records, self.strict, self.step, self.plan = records, strict, step, plan
+        self.in_place = in_place
+
+    def add_direct(self, live: Any, rec: TensorRecord) -> None:
+        if self.in_place and rec.index not in self.plan.direct:
+            t = direct_target(live, rec)
+            if t is not None:
+                self.plan.direct[rec.index] = t
+
+    def direct_in_object(self, live: Any, node: Any, depth: int = 0) -> None:
+        """Pair the saved tree of a non-module object (an optimizer) with its live ``state_dict()`` and collect the
+        tensors found at the same places. Live tensors there are either the object's own (an optimizer's moments) or
+        fresh copies; either way ``load_state_dict`` gets the very memory the bytes were read into."""
+        if depth > MAX_DEPTH:
+            return
+        if _is_tag(node, "$tensor") and isinstance(live, torch.Tensor):
+            i = node["$tensor"]
+            if type(i) is int and 0 <= i < len(self.records) and self.records[i].kind == "torch":
+                self.add_direct(live, self.records[i])
+        elif (_is_tag(node, "$dict") or _is_tag(node, "$odict")) and isinstance(live, Mapping):
+            pairs = node.get("$dict", node.get("$odict"))
+            if not isinstance(pairs, list):
+                return
+            for pair in pairs:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    return
+                try:
+                    key = _Decoder(self.records, _no_tensor, step=self.step).decode(pair[0], own=True)
+                    sub = live.get(key) if isinstance(key, Hashable) else None
+                except (CorruptCheckpointError, TypeError):
+                    return
+                if sub is not None:
+                    self.direct_in_object(sub, pair[1], depth + 1)
+        elif isinstance(node, list) and isinstance(live, (list, tuple)) and len(live) == len(node):
+            for sub_live, sub in zip(live, node):
+                self.direct_in_object(sub_live, sub, depth + 1)
 
     def record(self, node: dict, tag: str, kind: str, path: str) -> TensorRecord:
         i = node[tag]
@@ -223,6 +289,7 @@ class _Checker:
             if not isinstance(cur, torch.Tensor):
                 raise _mismatch(f"checkpoint holds a tensor but the state has {type(cur).__name__}", path, self.step)
             self.check_tensor(cur, rec, path)
+            self.add_direct(cur, rec)
             self.plan.actions.append(_copier(cur, node["$tensor"]))
         elif isinstance(cur, torch.Tensor):
             raise _mismatch("state holds a tensor but the checkpoint does not", path, self.step)
@@ -263,6 +330,7 @@ class _Checker:
                     self.check_dtensor(live[k], rec, f"{path}[{k!r}]")
                 elif k in live and isinstance(live[k], torch.Tensor) and rec is not None:
                     self.check_tensor(live[k], rec, f"{path}[{k!r}]")
+                    self.add_direct(live[k], rec)
             strict = self.strict
 
             def load_module(dec: _Decoder) -> Callable[[], None]:
@@ -276,6 +344,9 @@ class _Checker:
                     f"{type(obj).__name__} state holds distributed tensors (DTensor) but nothing live to load them into; "
                     "checkpoint get_optimizer_state_dict(model, optimizer) instead and load it back with "
                     "set_optimizer_state_dict", path, self.step)
+
+            if self.in_place:
+                self.direct_in_object(obj.state_dict(), node)
 
             def load_object(dec: _Decoder) -> Callable[[], None]:
                 sd = dec.decode(node, own=True)

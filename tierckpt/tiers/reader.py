@@ -5,7 +5,10 @@ Invariants:
   hostile or damaged manifest cannot make us allocate more than what is actually on disk;
 - every byte that :func:`load_rank` hands back has been hashed and matched against the manifest; any mismatch raises
   :class:`CorruptCheckpointError` naming the step, tier, file and tensor, before the caller touches its state;
-- all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder.
+- all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder;
+- ``direct`` reads (restore with ``in_place=True``) scatter a file straight into the caller's tensors with vectored
+  reads (``preadv``) on stores with a local path; those bytes are hashed where they land and a mismatch still raises,
+  but only after they were written there. Other stores read into the buffer, verify, then copy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from ..storage.commit import read_step_manifest
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 8 << 20
+#: Buffers per vectored read (well under every kernel's IOV_MAX of 1024).
+MAX_IOV = 256
 
 
 @dataclass(frozen=True)
@@ -135,16 +140,67 @@ def mismatch_error(store: Store, rm: RankManifest, index: int, digests: list[byt
                                   path=f"{store.url}/{join(folder, f.name)}", bad_files=[f.name])
 
 
-def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview) -> None:
-    """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch."""
+def _pieces(rm: RankManifest, index: int, out: memoryview, direct: dict[int, memoryview]) -> list[memoryview]:
+    """Buffers that tile file ``index`` in order: each ``direct`` tensor's own memory, everything else in ``out``."""
+    f = rm.files[index]
+    pieces: list[memoryview] = []
+    pos = 0
+    for t in sorted((t for t in rm.tensors if t.file == index and t.index in direct), key=lambda t: t.offset):
+        view = direct[t.index]
+        if view.nbytes != t.nbytes:
+            raise CorruptCheckpointError(f"tensor {t.path} is {t.nbytes} bytes in {f.name}, its destination "
+                                         f"{view.nbytes}", step=rm.step, bad_files=[f.name])
+        if t.offset > pos:
+            pieces.append(out[pos : t.offset])
+        pieces.append(view)
+        pos = t.offset + t.nbytes
+    if pos < f.size:
+        pieces.append(out[pos : f.size])
+    return pieces
+
+
+def _batches(pieces: list[memoryview]) -> list[list[memoryview]]:
+    """Group the pieces (cut to at most ``READ_CHUNK`` each) into vectored reads of about ``READ_CHUNK`` bytes."""
+    out: list[list[memoryview]] = [[]]
+    size = 0
+    for piece in pieces:
+        for start in range(0, piece.nbytes, READ_CHUNK):
+            part = piece[start : start + READ_CHUNK]
+            if out[-1] and (size + part.nbytes > READ_CHUNK or len(out[-1]) >= MAX_IOV):
+                out.append([])
+                size = 0
+            out[-1].append(part)
+            size += part.nbytes
+    return out
+
+
+def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
+                   direct: dict[int, memoryview] | None = None) -> None:
+    """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch.
+
+    ``direct``: record index -> memory the tensor's bytes go to instead of ``out`` (see the module docstring).
+    """
     f = rm.files[index]
     rel = join(layout.step_dir(rm.step), f.name)
     seg = hashing.SegmentHasher(segment_ends(rm, index))
+    mine = {i: v for i, v in (direct or {}).items() if rm.tensors[i].file == index}
+    scatter = bool(mine) and store.local_path is not None and not f.compression
     if f.compression:
         from .uploader import fetch_file
 
         fetch_file(store, layout.step_dir(rm.step), f, out)
         seg.feed(out)
+    elif scatter:
+        pos = 0
+        for batch in _batches(_pieces(rm, index, out, mine)):
+            want = sum(b.nbytes for b in batch)
+            n = store.readinto_many(rel, pos, batch)
+            if n != want:
+                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
+                                             path=f"{store.url}/{rel}", bad_files=[f.name])
+            for b in batch:
+                seg.feed(b)
+            pos += n
     else:
         pos = 0
         while pos < f.size:
@@ -156,6 +212,10 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview) 
             pos += n
     if seg.file_checksum() != f.checksum:
         raise mismatch_error(store, rm, index, seg.digests)
+    if mine and not scatter:  # verified in ``out``: now hand the tensors their bytes
+        for i, view in mine.items():
+            t = rm.tensors[i]
+            view[:] = out[t.offset : t.offset + t.nbytes]
 
 
 def load_rank(
@@ -179,9 +239,12 @@ def load_rank(
 
 
 def load_files(
-    store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor
+    store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
+    direct: dict[int, memoryview] | None = None,
 ) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
-    """Read and verify every data file of a rank into one buffer from ``alloc``; returns views and offsets."""
+    """Read and verify every data file of a rank into one buffer from ``alloc``; returns views and offsets.
+
+    ``direct`` tensors' bytes go to their own memory instead (their ranges of the buffer are left unwritten)."""
     check_sizes(store, rm)
     offsets = []
     total = 0
@@ -190,5 +253,5 @@ def load_files(
         total += -(-f.size // 4096) * 4096
     buf = alloc(total)
     views = [buf[o : o + f.size] for o, f in zip(offsets, rm.files)]
-    list(executor.map(lambda i: read_file_into(store, rm, i, views[i]), range(len(rm.files))))
+    list(executor.map(lambda i: read_file_into(store, rm, i, views[i], direct), range(len(rm.files))))
     return tuple(views), tuple(offsets)

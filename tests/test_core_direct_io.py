@@ -1,0 +1,256 @@
+"""Issue 5: the fast paths keep every guarantee.
+
+- ``O_DIRECT`` writes of the local tier (``direct_io=True``, the default): aligned pieces go direct, an unaligned
+  piece (a file's tail, a ``bytes`` object) switches the file to buffered I/O, and the file reads back exactly;
+- ``restore(in_place=True)``: CPU tensors are filled straight from the files (vectored reads), every byte is still
+  verified, a corrupt newest step still falls back to an older one over the same tensors, and a restore that finds
+  no intact copy says that the state was partly overwritten. Optimizer moments are read into the optimizer's own
+  tensors; training continues bit-identically to a default (staged) restore.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers_core import assert_tensor_equal, data_files, flip_byte, step_path, tensor_bytes
+
+from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt.snapshot.staging import aligned_empty
+from tierckpt.storage import local as local_mod
+from tierckpt.storage.local import DIRECT_ALIGN, LocalStore
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# --------------------------------------------------------------------------------------------------- direct writes
+
+
+def _direct_supported(folder: Path) -> bool:
+    try:
+        fd, direct = local_mod.open_direct(str(folder / ".probe"), os.O_WRONLY | os.O_CREAT)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / ".probe")
+    return direct
+
+
+def test_direct_write_stream_mixes_aligned_and_unaligned_pieces(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, direct_io=True)
+    buf = aligned_empty(8 * DIRECT_ALIGN + 100, pin=False)
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+    view = memoryview(buf.numpy())
+    assert local_mod.buffer_address(view) % DIRECT_ALIGN == 0
+    expected = bytes(view) + b"tail as bytes"
+    w = store.open_write("f.bin", size_hint=max(len(expected), local_mod.DIRECT_MIN_BYTES))
+    opened_direct = w.direct
+    w.write(view[: 4 * DIRECT_ALIGN])  # aligned: stays direct
+    still_direct = w.direct
+    w.write(view[4 * DIRECT_ALIGN :])  # aligned start, unaligned length: bulk direct, tail buffered
+    after_tail = w.direct
+    w.write(b"tail as bytes")
+    w.close()
+    assert (tmp_path / "f.bin").read_bytes() == expected
+    if _direct_supported(tmp_path):
+        assert opened_direct and still_direct and not after_tail
+    else:
+        assert not opened_direct
+
+
+def test_direct_write_of_an_unaligned_buffer_falls_back(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, direct_io=True)
+    buf = aligned_empty(4 * DIRECT_ALIGN + 1, pin=False)
+    buf.fill_(7)
+    view = memoryview(buf.numpy())[1:]  # right length, wrong address
+    with store.open_write("g.bin", size_hint=local_mod.DIRECT_MIN_BYTES) as w:
+        w.write(view)
+        assert not w.direct
+    assert (tmp_path / "g.bin").read_bytes() == bytes(view)
+
+
+def test_small_files_and_direct_io_off_never_go_direct(tmp_path: Path) -> None:
+    with LocalStore(tmp_path, direct_io=True).open_write("small", size_hint=100) as w:
+        assert not w.direct
+        w.write(b"x" * 100)
+    with LocalStore(tmp_path, direct_io=False).open_write("big", size_hint=1 << 24) as w:
+        assert not w.direct
+        w.write(b"y" * 100)
+    assert (tmp_path / "small").read_bytes() == b"x" * 100
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_checkpoints_written_either_way_round_trip(tmp_path: Path, direct_io: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(300_001, generator=g), "half": torch.randn(777, generator=g).to(torch.bfloat16)}
+    with CheckpointManager(tmp_path, direct_io=direct_io, file_size_mb=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    out = {"big": torch.zeros(300_001), "half": torch.zeros(777, dtype=torch.bfloat16)}
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(out) == 1
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+
+
+def test_direct_io_option_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="direct_io"):
+        CheckpointManager(tmp_path, direct_io="yes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ in-place restore
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 128)
+        self.b = torch.nn.Linear(128, 8)
+        self.register_buffer("scale", torch.ones(8, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale.float()
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _job(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": model,
+        "optim": opt,
+        "plain": torch.randn(1000, 33, generator=g),
+        "strided": torch.randn(40, 30, generator=g).t(),  # non-contiguous: staged, then copied
+        "scalar": torch.tensor(float(seed)),
+        "empty": torch.empty(0, 5),
+        "array": np.arange(seed, seed + 12, dtype=np.float32),
+        "step": seed,
+    }
+
+
+def _saved(tmp_path: Path, steps: list[int], **kw) -> dict[int, dict]:
+    jobs = {}
+    with CheckpointManager(tmp_path, keep_local=len(steps), file_size_mb=1, **kw) as mgr:
+        for s in steps:
+            job = _job(s)
+            _train(job["model"], job["optim"], 3, s)
+            mgr.save(s, job)
+            mgr.wait()
+            jobs[s] = job
+    return jobs
+
+
+def _assert_job_equal(got: dict, want: dict) -> None:
+    for k, v in want["model"].state_dict().items():
+        assert_tensor_equal(got["model"].state_dict()[k], v, f"model.{k}")
+    got_opt, want_opt = got["optim"].state_dict(), want["optim"].state_dict()
+    assert got_opt["state"].keys() == want_opt["state"].keys()
+    for i, st in want_opt["state"].items():
+        for name, v in st.items():
+            assert_tensor_equal(got_opt["state"][i][name], v, f"optim.state[{i}].{name}")
+    for k in ("plain", "strided", "scalar", "empty"):
+        assert_tensor_equal(got[k], want[k], k)
+    np.testing.assert_array_equal(got["array"], want["array"])
+    assert got["step"] == want["step"]
+
+
+def test_in_place_restore_is_bit_identical_and_keeps_tensor_identity(tmp_path: Path) -> None:
+    want = _saved(tmp_path, [5])[5]
+    got = _job(99)
+    _train(got["model"], got["optim"], 1, 99)  # optimizer state exists, so its tensors can be read into
+    ptrs = {
+        "plain": got["plain"].data_ptr(),
+        "weight": got["model"].a.weight.data_ptr(),
+        "exp_avg": got["optim"].state[got["model"].a.weight]["exp_avg"].data_ptr(),
+    }
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(got, in_place=True) == 5
+    _assert_job_equal(got, want)
+    assert got["plain"].data_ptr() == ptrs["plain"]
+    assert got["model"].a.weight.data_ptr() == ptrs["weight"]
+    # AdamW keeps the tensor it was given when dtype and device already match: the moments were read in place
+    assert got["optim"].state[got["model"].a.weight]["exp_avg"].data_ptr() == ptrs["exp_avg"]
+
+
+def test_in_place_and_staged_restores_continue_training_identically(tmp_path: Path) -> None:
+    _saved(tmp_path, [7])
+    runs = []
+    for in_place in (False, True):
+        job = _job(1234)
+        _train(job["model"], job["optim"], 1, 1234)
+        with CheckpointManager(tmp_path) as mgr:
+            assert mgr.restore(job, in_place=in_place) == 7
+        _train(job["model"], job["optim"], 4, 77)
+        runs.append({k: tensor_bytes(v) for k, v in job["model"].state_dict().items()})
+    assert runs[0] == runs[1]
+
+
+def _corrupt_plain(tmp_path: Path, step: int) -> None:
+    """Flip one byte inside the tensor data of the file that holds ``plain`` (the largest tensor)."""
+    files = data_files(step_path(tmp_path, step))
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    flip_byte(biggest, 5)
+
+
+def test_in_place_restore_falls_back_over_a_corrupt_newest_step(tmp_path: Path) -> None:
+    jobs = _saved(tmp_path, [1, 2])
+    _corrupt_plain(tmp_path, 2)
+    got = _job(50)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(got, in_place=True) == 1
+    _assert_job_equal(got, jobs[1])
+
+
+def test_failed_in_place_restore_says_the_state_was_overwritten(tmp_path: Path) -> None:
+    _saved(tmp_path, [3])
+    _corrupt_plain(tmp_path, 3)
+    staged, direct = _job(60), _job(60)
+    before = tensor_bytes(staged["plain"])
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="state was not changed") as e1:
+            mgr.restore(staged, step=3)
+        with pytest.raises(CorruptCheckpointError, match="partly overwritten") as e2:
+            mgr.restore(direct, step=3, in_place=True)
+    assert e1.value.step == 3 and e2.value.step == 3 and e2.value.bad_files
+    assert tensor_bytes(staged["plain"]) == before  # the default restore left the state alone
+    assert tensor_bytes(direct["plain"]) != before  # in place: the bytes were read into the tensor itself
+
+
+def test_in_place_restore_from_a_posix_remote_with_local_caching(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "a", remote=str(remote), file_size_mb=1) as mgr:
+        job = _job(8)
+        _train(job["model"], job["optim"], 2, 8)
+        mgr.save(8, job)
+        mgr.wait()
+    for cache in (False, True):
+        got = _job(0)
+        _train(got["model"], got["optim"], 1, 0)
+        with CheckpointManager(tmp_path / f"b{cache}", remote=str(remote), cache_remote_restores=cache) as mgr:
+            assert mgr.restore(got, in_place=True) == 8
+        _assert_job_equal(got, job)
+        # the cached local copy is complete and intact: a local-only restore verifies every byte of it
+        if cache:
+            again = _job(1)
+            with CheckpointManager(tmp_path / f"b{cache}") as mgr:
+                assert mgr.restore(again, source="local") == 8
+            _assert_job_equal(again, job)
+
+
+def test_in_place_option_is_validated(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="in_place"):
+        mgr.restore({}, in_place=1)  # type: ignore[arg-type]
