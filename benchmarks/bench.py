@@ -200,6 +200,17 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
             "load_warm_vs_best_peer": ratio(m.get("load_warm"), best_peer["load_warm"][1]),
             "error": m.get("error"),
         }
+    tk = med.get("tierckpt", {})
+    if tk.get("load_cold_inplace") is not None:  # restore(in_place=True) as its own row, loads only
+        cold, warm = tk["load_cold_inplace"], tk.get("load_warm_inplace")
+        rows["tierckpt in_place restore"] = {
+            "stall": None, "durable": None, "remote_durable": None, "load_cold": cold, "load_warm": warm,
+            "rss_extra": None, "stall_vs_memcpy": None, "durable_vs_write": None,
+            "load_cold_vs_read": ratio(cold, read_cold), "load_warm_vs_read": ratio(warm, read_warm),
+            "stall_vs_best_peer": None, "durable_vs_best_peer": None,
+            "load_cold_vs_best_peer": ratio(cold, best_peer["load_cold"][1]),
+            "load_warm_vs_best_peer": ratio(warm, best_peer["load_warm"][1]), "error": None,
+        }  # fmt: skip
     return {
         "bytes": nbytes,
         "limits": limits,
@@ -242,7 +253,7 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
                    r["durable_vs_write"], r["load_cold_vs_read"], r["load_warm_vs_read"]])  # fmt: skip
     bp = d["best_peer"]
     t3 = []
-    for n in ("tierckpt", "tierckpt+posix", "tierckpt+s3"):
+    for n in ("tierckpt", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
         r = d["systems"].get(n)
         if not r or r.get("error"):
             continue
@@ -267,6 +278,10 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             ["peak extra RSS during saves / state bytes", ratio(tk.get("rss_extra"), nbytes)],
             ["RSS growth 2nd -> last save MiB", (tk["rss_growth_steady"] / (1 << 20)) if tk.get("rss_growth_steady") is not None else None],
             ["peak extra RSS during restore MiB", (tk["rss_extra_restore"] / (1 << 20)) if tk.get("rss_extra_restore") is not None else None],
+            ["restore in_place=True cold s (verified)", tk.get("load_cold_inplace")],
+            ["restore in_place=True warm s (verified)", tk.get("load_warm_inplace")],
+            ["restore in_place=True: right step, values equal", tk.get("load_inplace_ok")],
+            ["peak extra RSS during in_place restore MiB", (tk["rss_extra_restore_inplace"] / (1 << 20)) if tk.get("rss_extra_restore_inplace") is not None else None],
         ]  # fmt: skip
     for n in ("tierckpt+posix", "tierckpt+s3"):
         m = med.get(n, {})

@@ -10,7 +10,8 @@ Metric names shared across systems (so that they line up in one table):
   that is the whole save; for DCP ``async_save`` it is the time until the call returns (with ``DefaultStager``,
   until its staging future completes: ``stall_return`` is the bare return); for tierckpt, until ``save()`` returns.
 - ``durable``: from the start of the save until the bytes are fsynced on the local disk.
-- ``load_cold`` / ``load_warm``: loading into the preallocated state with the page cache dropped / warm.
+- ``load_cold`` / ``load_warm``: loading into the preallocated state with the page cache dropped / warm
+  (tierckpt: the default restore, verified in a staging buffer first; ``load_*_inplace``: ``in_place=True``).
 - ``rss_extra``: peak RSS during the case minus RSS before it (sampled every 20 ms).
 """
 
@@ -417,6 +418,17 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
                 out["load_ok"] = ctx.verify()
                 with timed(out, "load_warm"):
                     mgr.restore(ctx.dst)
+                # in_place=True: bytes read straight into the destination tensors (still verified)
+                ctx.clear_dst()
+                settle()
+                drop_caches()
+                base = rss_bytes()
+                with RssSampler(0.02) as rss3, timed(out, "load_cold_inplace"):
+                    step = mgr.restore(ctx.dst, in_place=True)
+                out["rss_extra_restore_inplace"] = rss3.peak - base
+                out["load_inplace_ok"] = step == ctx.saves and ctx.verify() is not False
+                with timed(out, "load_warm_inplace"):
+                    mgr.restore(ctx.dst, in_place=True)
             finally:
                 mgr.close()
     finally:

@@ -16,8 +16,10 @@ steps, right after ``optimizer.step()``:
   the next ``optimizer.step()`` (DCP's own overlap pattern).
 
 Reported per system (medians over repeats, run interleaved): mean step time over the measured steps (warm-up
-excluded), overhead against ``none``, mean time of the steps that checkpoint, and the final drain (waiting for the
-last checkpoint to be durable after the loop).
+excluded), overhead against ``none``, mean time of the steps that checkpoint, the **stall** per checkpoint (the time
+the loop is blocked inside the checkpointing calls: ``save`` plus every ``before_step`` barrier until the next save;
+median over the checkpoints) and its ratio to a plain ``copy_`` of the same state into preallocated tensors (memcpy,
+measured in the same run), and the final drain (waiting for the last checkpoint to be durable after the loop).
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def run_loop(cfg: LoopConfig, saver: Saver) -> dict[str, Any]:
     loss_fn = nn.CrossEntropyLoss()
     times: list[float] = []
     save_steps: list[tuple[float, bool]] = []
+    stalls: list[float] = []  # per checkpoint: time blocked in save() + the barriers that follow it
     clean: list[bool] = []  # no other process used the CPU during the step (the machine may be shared)
     t_start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
@@ -224,11 +227,18 @@ def run_loop(cfg: LoopConfig, saver: Saver) -> dict[str, Any]:
         loss = loss_fn(logits.reshape(-1, cfg.vocab), b[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        tb = time.perf_counter()
         saver.before_step()
+        blocked = time.perf_counter() - tb
+        if stalls and step > cfg.warmup:
+            stalls[-1] += blocked
         opt.step()
         saving = step % cfg.every == 0
         if saving:
+            ts = time.perf_counter()
             saver.save(step, model, opt)
+            if step > cfg.warmup:
+                stalls.append(time.perf_counter() - ts)
         dt = time.perf_counter() - t0
         if step > cfg.warmup:
             times.append(dt)
@@ -244,6 +254,17 @@ def run_loop(cfg: LoopConfig, saver: Saver) -> dict[str, Any]:
         v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
     )
     clean_times = [t for t, c in zip(times, clean, strict=True) if c]
+    tensors = [t for t in model.state_dict().values()] + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    twins = [torch.empty_like(t) for t in tensors]
+    copies = []
+    for _ in range(5):  # memcpy of the same state into preallocated tensors: the floor for any snapshot
+        tc0 = time.perf_counter()
+        with torch.no_grad():
+            for d, src in zip(twins, tensors):
+                d.copy_(src)
+        copies.append(time.perf_counter() - tc0)
+    del twins
     return {
         "mean_step_all": statistics.fmean(times),
         "mean_step": statistics.fmean(clean_times) if clean_times else None,
@@ -257,6 +278,9 @@ def run_loop(cfg: LoopConfig, saver: Saver) -> dict[str, Any]:
         "loop": t_loop,
         "drain": drain,
         "final_loss": loss.item(),
+        "stall": statistics.median(stalls) if stalls else None,
+        "stall_max": max(stalls) if stalls else None,
+        "memcpy": statistics.median(copies),
         "state_bytes": state_bytes,
     }
 
@@ -352,14 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         return median([m[key] for m in runs[name] if m.get(key) is not None])
 
     base = med("none", "mean_step")
-    heads = ["system", "mean step s", "overhead", "mean save-step s", "save-step / step", "final drain s",
-             "clean steps"]  # fmt: skip
+    heads = ["system", "mean step s", "overhead", "mean save-step s", "save-step / step", "stall per save s",
+             "stall / memcpy", "final drain s", "clean steps"]  # fmt: skip
+    memcpy = median([m["memcpy"] for r in runs.values() for m in r if m.get("memcpy")])
     rows = []
     summary: dict[str, Any] = {}
     for name in names:
         errs = [m["error"] for m in runs[name] if "error" in m]
         if errs:
-            rows.append([name, "ERROR: " + errs[0][:70], "", "", "", "", ""])
+            rows.append([name, "ERROR: " + errs[0][:70]] + [""] * (len(heads) - 2))
             summary[name] = {"error": errs[0]}
             continue
         ms = med(name, "mean_step")
@@ -368,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
             "mean_step": ms,
             "overhead": None if ov is None else ov - 1,
             "mean_save_step": med(name, "mean_save_step"),
+            "stall": med(name, "stall") if name != "none" else None,
+            "stall_vs_memcpy": ratio(med(name, "stall"), memcpy) if name != "none" else None,
             "drain": med(name, "drain"),
         }
         rows.append([name, ms, f"{100 * (ov - 1):+.1f}%" if ov else "-", summary[name]["mean_save_step"],
-                     ratio(summary[name]["mean_save_step"], base), summary[name]["drain"],
+                     ratio(summary[name]["mean_save_step"], base), summary[name]["stall"],
+                     summary[name]["stall_vs_memcpy"], summary[name]["drain"],
                      f"{sum(m['clean_steps'] for m in runs[name])}/{sum(m['steps_measured'] for m in runs[name])}"])  # fmt: skip
     sb = runs["none"][0].get("state_bytes", 0)
     title = (f"Training loop: {sb / 2**20:.0f} MiB of model+AdamW state, checkpoint every {cfg.every} steps, "
@@ -390,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(scratch),
         "tierckpt_version": tierckpt_version(tc),
         "state_bytes": sb,
+        "memcpy": memcpy,
         "summary": summary,
         "runs": runs,
         "markdown": md,
