@@ -81,8 +81,8 @@ def spy_on_loads() -> None:
 
     orig = _restore.prepare
 
-    def spy(mgr, store, step, state, strict):
-        prepared = orig(mgr, store, step, state, strict)
+    def spy(mgr, store, step, state, strict, **kw):
+        prepared = orig(mgr, store, step, state, strict, **kw)
         LOADS.append((store.tier, step))
         return prepared
 
@@ -230,6 +230,9 @@ def scenario_posix2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
                 flip_byte(data_file(step_dir(local, 2), 1))  # and its step 2 is corrupt
             dist.barrier()
             out["corrupt_fallback"] = restore_into_empty(mgr, rank)
+            # in place: rank 0 reads its intact step 2 into its tensors, rank 1 finds its copy corrupt; both then
+            # load step 1 over whatever they read
+            out["corrupt_fallback_in_place"] = restore_into_empty(mgr, rank, in_place=True)
             out["explicit_missing"] = restore_into_empty(mgr, rank, step=3)
             if rank == 0:
                 shutil.rmtree(step_dir(local, 1))

@@ -158,6 +158,8 @@ def test_different_local_progress_agree_on_newest_common_step(posix2: Run) -> No
         # rank 1's step 2 is corrupt: both fall back to 1, never a mix of steps
         assert r[rank]["corrupt_fallback"]["restored"] == 1, r[rank]["corrupt_fallback"]
         assert r[rank]["corrupt_fallback"]["state"] == expected(rank, 1)
+        assert r[rank]["corrupt_fallback_in_place"]["restored"] == 1, r[rank]["corrupt_fallback_in_place"]
+        assert r[rank]["corrupt_fallback_in_place"]["state"] == expected(rank, 1)
         e = r[rank]["explicit_missing"]["error"]
         assert e["type"] == "CheckpointNotFoundError" and "rank(s) [1]" in e["msg"] and e["step"] == 3
         assert r[rank]["explicit_missing"]["state"] == summarize(_empty(rank))  # untouched
