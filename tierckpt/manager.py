@@ -201,32 +201,30 @@ class CheckpointManager:
                                   step=step, tier="local", path=self.local.url)
         metadata = _json_metadata(metadata)
         handle = SaveHandle(step)
-        flat = tree.flatten(state)
-        specs = [leaf.spec() for leaf in flat.leaves]
-        if self._plan is None or self._plan.signature != tuple(specs):
-            self._plan = make_plan(specs, file_bytes=self.options.file_size_mb << 20, min_files=self.options.writer_threads)
+        # steady state: the memo of the last flatten and the plan's cached records make this cost little per tensor
+        flat = tree.flatten(state, None if self._plan is None else self._plan.cache.get("flatten"))
+        if self._plan is None or self._plan.signature != flat.specs:
+            self._plan = make_plan(flat.specs, file_bytes=self.options.file_size_mb << 20, min_files=self.options.writer_threads)
             self._locations = staging.leaf_locations(self._plan)
         plan, locations = self._plan, self._locations
+        plan.cache["flatten"] = flat.memo
         slot = self._pool.acquire(plan.buffer_bytes)
-        leaves = flat.leaves
+        values = flat.values
 
         def stage() -> None:
             try:
                 faults.point("staging")
-                staging.copy_into(slot, plan, locations, leaves, copy_stream=self._copy_stream)
+                staging.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
+                                  executor=self._pool.copy_executor())
             except BaseException:
                 self._pool.release(slot)
                 raise
             finally:
-                leaves.clear()  # drop references to the caller's tensors
+                values.clear()  # drop references to the caller's tensors
 
-        leaves_meta = [
-            writer.LeafMeta(leaf.name, leaf.path, leaf.dtype, leaf.shape, leaf.kind, locations[i][0], locations[i][1],
-                            leaf.nbytes, leaf.shard)
-            for i, leaf in enumerate(flat.leaves)
-        ]
-        files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, tuple(t.leaf for t in f.tensors))
-                 for f in plan.files]
+        leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
+        files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, order)
+                 for f, order in zip(plan.files, file_leaves)]
         if not self.options.lazy_snapshot:
             stage()
         rec = handle._record
@@ -502,6 +500,24 @@ class CheckpointManager:
                 self._unlock()
             except Exception:
                 pass
+
+
+def _leaf_records(plan: SnapshotPlan, locations: list[tuple[int, int]],
+                  flat: tree.FlatState) -> tuple[list[writer.LeafMeta], list[tuple[int, ...]]]:
+    """Every leaf's record and every file's leaf order for a snapshot of ``flat`` under ``plan``.
+
+    A save of a state laid out like the previous one (same plan, key paths, kinds and shards) gets the previous
+    lists back: they are never mutated (the persist thread only reads them), and rebuilding them costs a few
+    microseconds per tensor.
+    """
+    cached = plan.cache.get("records")
+    if cached is not None and cached[0] == flat.paths and cached[1] == flat.kinds and cached[2] == flat.shards:
+        return cached[3], cached[4]
+    meta = [writer.LeafMeta(s.name, p, s.dtype, s.shape, k, loc[0], loc[1], s.nbytes, sh)
+            for s, p, k, sh, loc in zip(flat.specs, flat.paths, flat.kinds, flat.shards, locations)]
+    file_leaves = [tuple(t.leaf for t in f.tensors) for f in plan.files]
+    plan.cache["records"] = (flat.paths, flat.kinds, flat.shards, meta, file_leaves)
+    return meta, file_leaves
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

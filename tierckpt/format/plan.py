@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from .dtypes import ITEMSIZE
 from .safetensors import ALIGN, build_header
@@ -55,6 +55,9 @@ class SnapshotPlan:
     files: tuple[PlannedFile, ...]
     buffer_bytes: int
     signature: tuple[LeafSpec, ...]
+    #: Scratch space for data derived from this plan (and validated before each reuse) that the saver keeps between
+    #: saves of the same state, so that a steady-state save rebuilds nothing per tensor. Not part of the plan's value.
+    cache: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def total_bytes(self) -> int:

@@ -9,6 +9,11 @@ the previous is written, at twice the memory.
 Buffers are allocated on first use, grown only when a state grows, and otherwise reused forever, so a steady-state
 save allocates nothing large. They are pinned (page-locked) when CUDA is available, so device-to-host copies run at
 full PCIe/NVLink bandwidth on a dedicated copy stream without blocking the training stream.
+
+Copying host tensors: one ``torch._foreach_copy_`` call copies a list of tensors in C++ (releasing the GIL), and
+torch splits each large copy over its own threads. Thousands of small tensors are dominated by per-tensor cost
+instead, which torch does not parallelise, so when there are many small ones they are split into chunks copied by
+a few threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies the large ones.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..format.plan import SnapshotPlan
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
-from .tree import Leaf
+from .tree import FlatState
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +40,27 @@ log = logging.getLogger(__name__)
 GROWTH_QUANTUM = 64 << 20
 #: Buffers start on this boundary (a page; what ``O_DIRECT`` needs), and so does every file image in them.
 BUFFER_ALIGN = 4096
+#: Host tensors below this size are "small": their copy costs more per tensor than per byte.
+SMALL_TENSOR_BYTES = 1 << 20
+#: Small tensors are split over threads only when there are more of them than this (below, the hand-off to
+#: other threads costs about what it saves).
+THREADED_MIN_TENSORS = 256
+#: At most this many threads copy small tensors (beyond that, memory bandwidth and cores run out, not work).
+MAX_COPY_THREADS = 4
+#: When balancing chunks, one tensor counts as this many bytes on top of its own (its fixed per-tensor cost).
+_TENSOR_COST_BYTES = 32 << 10
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 @dataclass(eq=False)
 class Slot:
     index: int
     buffer: torch.Tensor | None = None  # uint8, 1-D
-    # views cached per plan: (plan id) -> list of destination views, one per leaf
+    # the _SlotLayout (destination views) of the plan last copied here; _allocate and close reset it to None, which
+    # drops every view of the old buffer
     _views_for: object = None
-    _views: list[torch.Tensor | np.ndarray] = field(default_factory=list)
+    _views: list[torch.Tensor | np.ndarray] | None = None
     _headers_for: object = None
-    _torch_idx: list[int] = field(default_factory=list)
-    _numpy_idx: list[int] = field(default_factory=list)
-    _torch_dsts: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def capacity(self) -> int:
@@ -71,6 +87,7 @@ class StagingPool:
         self._free = list(self._slots)
         self._cond = threading.Condition()
         self.allocations = 0  # how many times a buffer was (re)allocated; steady state keeps this constant
+        self._copy_executor: ThreadPoolExecutor | None = None
 
     def acquire(self, nbytes: int, *, timeout: float | None = None) -> Slot:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -106,10 +123,20 @@ class StagingPool:
         log.info("staging: allocated %.1f MiB (%s) for slot %d in %.3f s", size / 2**20,
                  "pinned" if self.pin else "pageable", slot.index, time.perf_counter() - t0)
 
+    def copy_executor(self) -> ThreadPoolExecutor:
+        """The threads that copy small tensors (created on first use, so a pool that never copies has none)."""
+        with self._cond:
+            if self._copy_executor is None:
+                self._copy_executor = ThreadPoolExecutor(MAX_COPY_THREADS, thread_name_prefix="tierckpt-copy")
+            return self._copy_executor
+
     def close(self) -> None:
         with self._cond:
             for s in self._slots:
                 s.buffer, s._views_for, s._views, s._headers_for = None, None, [], None
+            executor, self._copy_executor = self._copy_executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
 
 def aligned_empty(size: int, *, pin: bool) -> torch.Tensor:
@@ -131,29 +158,93 @@ def leaf_locations(plan: SnapshotPlan) -> list[tuple[int, int]]:
     return loc
 
 
-def destination_views(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], leaves: list[Leaf]):
-    """Typed views into the slot for every leaf (cached while the plan and buffer stay the same)."""
-    if slot._views_for is plan:
-        return slot._views
+class _CopySchedule:
+    """How one plan's host tensors are copied with ``threads`` threads: ``chunks`` of small tensors for the copy
+    threads (None: no threads, one call copies everything) and the large ones for the calling thread. Positions
+    index the list of sources of :class:`_SlotLayout`."""
+
+    __slots__ = ("chunks", "large_pos", "large_dsts")
+
+    def __init__(self, chunks: list[tuple[list[int], list[torch.Tensor]]] | None, large_pos: list[int],
+                 large_dsts: list[torch.Tensor]) -> None:
+        self.chunks, self.large_pos, self.large_dsts = chunks, large_pos, large_dsts
+
+
+class _SlotLayout:
+    """Typed views into a slot for every leaf of one plan, and the copy derived from them (built once per plan)."""
+
+    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules")
+
+    def __init__(self, plan: SnapshotPlan, kinds: list[str], views: list[torch.Tensor | np.ndarray]) -> None:
+        self.plan, self.kinds, self.views = plan, kinds, views
+        sig = plan.signature
+        torch_idx = [i for i, k in enumerate(kinds) if k == "torch" and sig[i].nbytes]
+        # None: every leaf is a non-empty tensor, so the sources are the leaves' values as they are
+        self.torch_idx: list[int] | None = None if len(torch_idx) == len(kinds) else torch_idx
+        self.numpy_idx = [i for i, k in enumerate(kinds) if k == "numpy" and sig[i].nbytes]
+        self.dsts: list[torch.Tensor] = [views[i] for i in torch_idx]  # type: ignore[misc]
+        self.schedules: dict[int, _CopySchedule] = {}
+
+    def schedule(self, threads: int) -> _CopySchedule:
+        sched = self.schedules.get(threads)
+        if sched is None:
+            sched = self.schedules[threads] = self._make_schedule(threads)
+        return sched
+
+    def _make_schedule(self, threads: int) -> _CopySchedule:
+        sizes = [d.nbytes for d in self.dsts]
+        small = [p for p, n in enumerate(sizes) if n < SMALL_TENSOR_BYTES]
+        if threads < 2 or len(small) <= THREADED_MIN_TENSORS:
+            return _CopySchedule(None, [], [])
+        large = [p for p, n in enumerate(sizes) if n >= SMALL_TENSOR_BYTES]
+        # contiguous runs of equal cost (neighbours in the leaf order are neighbours in the buffer)
+        total = sum(sizes[p] + _TENSOR_COST_BYTES for p in small)
+        chunks: list[tuple[list[int], list[torch.Tensor]]] = []
+        run: list[int] = []
+        done = 0
+        for p in small:
+            run.append(p)
+            done += sizes[p] + _TENSOR_COST_BYTES
+            if done * threads >= total * (len(chunks) + 1) and len(chunks) < threads - 1:
+                chunks.append((run, [self.dsts[q] for q in run]))
+                run = []
+        if run:
+            chunks.append((run, [self.dsts[q] for q in run]))
+        return _CopySchedule(chunks, large, [self.dsts[p] for p in large])
+
+
+def _slot_layout(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], kinds: list[str]) -> _SlotLayout:
+    layout = slot._views_for
+    if isinstance(layout, _SlotLayout) and layout.plan is plan and layout.kinds == kinds:
+        return layout
+    sig = plan.signature
     views: list[torch.Tensor | np.ndarray] = []
-    for i, leaf in enumerate(leaves):
+    for i, kind in enumerate(kinds):
+        spec = sig[i]
         raw = slot.raw_leaf(plan, locations, i)
-        if leaf.kind == "numpy":
-            views.append(raw.numpy().view(CODE_TO_NUMPY[leaf.dtype]).reshape(leaf.shape))
-        elif leaf.nbytes == 0:
+        if kind == "numpy":
+            views.append(raw.numpy().view(CODE_TO_NUMPY[spec.dtype]).reshape(spec.shape))
+        elif spec.nbytes == 0:
             views.append(raw)
         else:
-            views.append(raw.view(CODE_TO_TORCH[leaf.dtype]).view(leaf.shape))
-    slot._views_for, slot._views = plan, views
-    slot._torch_idx = [i for i, leaf in enumerate(leaves) if leaf.kind == "torch" and leaf.nbytes]
-    slot._numpy_idx = [i for i, leaf in enumerate(leaves) if leaf.kind == "numpy" and leaf.nbytes]
-    slot._torch_dsts = [views[i] for i in slot._torch_idx]
-    return views
+            views.append(raw.view(CODE_TO_TORCH[spec.dtype]).view(spec.shape))
+    layout = _SlotLayout(plan, list(kinds), views)
+    slot._views_for, slot._views = layout, views
+    return layout
 
 
-def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], leaves: list[Leaf],
-              *, copy_stream: object | None = None) -> None:
-    """Copy the headers and every leaf's bytes into ``slot``; returns when the bytes are in host memory."""
+def destination_views(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]],
+                      kinds: list[str]) -> list[torch.Tensor | np.ndarray]:
+    """Typed views into the slot for every leaf (cached while the plan, the leaves' kinds and the buffer stay)."""
+    return _slot_layout(slot, plan, locations, kinds).views
+
+
+def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], flat: FlatState,
+              *, copy_stream: object | None = None, executor: Executor | None = None) -> None:
+    """Copy the headers and every leaf's bytes into ``slot``; returns when the bytes are in host memory.
+
+    ``executor``: threads for copying many small host tensors in parallel (see :data:`THREADED_MIN_TENSORS`).
+    """
     assert slot.buffer is not None
     buf = slot.buffer
     if slot._headers_for is not plan:  # headers depend on the plan only
@@ -161,25 +252,47 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
             hdr = torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
             buf[f.buffer_offset : f.buffer_offset + len(f.header)].copy_(hdr)
         slot._headers_for = plan
-    views = destination_views(slot, plan, locations, leaves)
-    torch_idx = slot._torch_idx
-    srcs = [leaves[i].value for i in torch_idx]
-    dsts = slot._torch_dsts
-    for i in slot._numpy_idx:
-        leaf = leaves[i]
-        np.copyto(views[i], leaf.value, casting="no" if leaf.value.dtype.isnative else "equiv")  # type: ignore[arg-type]
-    if any(s.is_cuda for s in srcs):
-        cuda = [(d, s) for d, s in zip(dsts, srcs) if s.is_cuda]
-        _copy_from_devices(cuda, copy_stream)
-        pairs = [(d, s) for d, s in zip(dsts, srcs) if not s.is_cuda]
-        dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
-    if dsts:
-        with torch.no_grad():
-            if hasattr(torch, "_foreach_copy_") and len(dsts) > 8:
-                torch._foreach_copy_(dsts, srcs)
-            else:
-                for d, s in zip(dsts, srcs):
-                    d.copy_(s)
+    layout = _slot_layout(slot, plan, locations, flat.kinds)
+    values = flat.values
+    for i in layout.numpy_idx:
+        src = values[i]
+        np.copyto(layout.views[i], src, casting="no" if src.dtype.isnative else "equiv")  # type: ignore[arg-type]
+    srcs = values if layout.torch_idx is None else list(map(values.__getitem__, layout.torch_idx))
+    dsts = layout.dsts
+    if not flat.all_cpu:  # device tensors: device-to-host on the copy stream, the others in one call
+        if any(s.is_cuda for s in srcs):
+            _copy_from_devices([(d, s) for d, s in zip(dsts, srcs) if s.is_cuda], copy_stream)
+            pairs = [(d, s) for d, s in zip(dsts, srcs) if not s.is_cuda]
+            dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
+        _copy_tensors(dsts, srcs)
+        return
+    sched = layout.schedule(min(MAX_COPY_THREADS, torch.get_num_threads()) if executor is not None else 1)
+    if sched.chunks is None:
+        _copy_tensors(dsts, srcs)
+        return
+    assert executor is not None
+    pick = srcs.__getitem__
+    futures: list[Future[Any]] = []
+    try:
+        for pos, d in sched.chunks:
+            futures.append(executor.submit(_copy_tensors, d, list(map(pick, pos))))
+        _copy_tensors(sched.large_dsts, list(map(pick, sched.large_pos)))
+    finally:
+        wait_futures(futures)  # never return (and let the slot go) while a thread still writes into it
+    for fut in futures:
+        fut.result()
+
+
+def _copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i, in one C++ call when there are several (it releases the GIL)."""
+    if not dsts:
+        return
+    with torch.no_grad():  # grad mode is per thread: the copy threads need it too
+        if _FOREACH_COPY is not None and len(dsts) > 8:
+            _FOREACH_COPY(dsts, srcs)
+        else:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
 
 
 def _copy_from_devices(pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stream: object | None) -> None:
