@@ -68,7 +68,8 @@ def make_plan(leaves: Sequence[LeafSpec], *, file_bytes: int, min_files: int = 1
     total = sum(leaf.nbytes for leaf in leaves)
     n = -(-total // file_bytes) if file_bytes > 0 else 1
     if total >= MIN_SPLIT_BYTES:
-        n = max(n, min_files)
+        # a multiple of the writer threads, so that no thread is left with one file more than the others
+        n = -(-max(n, min_files) // min_files) * min_files
     n = max(1, min(n, len(leaves)))
     # Longest-processing-time-first: each tensor to the currently lightest file.
     heap = [(0, part) for part in range(n)]
