@@ -522,7 +522,7 @@ def main_scaling(args: argparse.Namespace) -> dict[str, Any]:
          ["tensors", "system", "stall s", "durable s", "load cold s", "ratio"], count_rows),
     ]  # fmt: skip
     print_report(tables)
-    if args.plot:
+    if args.plot and by_size:  # a count-only sweep leaves the size plot alone
         plot_scaling(by_size, Path(args.plot))
         log(f"plot written to {args.plot}")
     if tc is None:
