@@ -306,3 +306,31 @@ def test_manifest_encoding_is_the_dataclass_encoding() -> None:
     want = dataclasses.asdict(sm)
     want["format"] = FORMAT + ".step"
     assert sm.to_bytes() == _seal(want)
+
+
+# ------------------------------------------------------------------------------------------ no task outlives a call
+
+
+def test_a_failed_file_task_waits_for_the_others_before_raising() -> None:
+    """Readers write into a staging slot (or, in place, into the caller's tensors) that is released or reused as
+    soon as the call fails; ``Executor.map`` would raise while the other reads still run."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierckpt.tiers.tasks import run_all
+
+    finished = threading.Event()
+
+    def task(i: int) -> int:
+        if i == 0:
+            raise OSError("file 0 is unreadable")
+        time.sleep(0.3)
+        finished.set()
+        return i
+
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(OSError, match="file 0"):
+            run_all(pool, task, [0, 1])
+        assert finished.is_set()
+        assert run_all(pool, lambda i: i * 2, range(5)) == [0, 2, 4, 6, 8]

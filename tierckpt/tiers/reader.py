@@ -23,6 +23,7 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
+from .tasks import run_all
 
 log = logging.getLogger(__name__)
 
@@ -253,5 +254,5 @@ def load_files(
         total += -(-f.size // 4096) * 4096
     buf = alloc(total)
     views = [buf[o : o + f.size] for o, f in zip(offsets, rm.files)]
-    list(executor.map(lambda i: read_file_into(store, rm, i, views[i], direct), range(len(rm.files))))
+    run_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct), range(len(rm.files)))
     return tuple(views), tuple(offsets)

@@ -27,6 +27,7 @@ from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for
+from .tasks import run_all
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,8 @@ class RankSnapshot:
 def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor) -> tuple[RankManifest, bytes, str]:
     """Write one rank's data files (in parallel, hashed on the way) and then its rank manifest into ``folder``."""
     names = [layout.data_file_name(snap.rank, f.part, snap.save_id) for f in snap.files]
-    results = list(executor.map(lambda fn: _write_file(store, join(folder, fn[0]), fn[1], snap.leaves),
-                                zip(names, snap.files)))
+    results = run_all(executor, lambda fn: _write_file(store, join(folder, fn[0]), fn[1], snap.leaves),
+                      zip(names, snap.files))
     file_records = []
     tensor_sums: dict[int, str] = {}
     for f, name, (checksum, digests) in zip(snap.files, names, results):
