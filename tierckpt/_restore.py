@@ -6,7 +6,7 @@ they are raised at once, before any byte is read, and the state is left untouche
 
 By default every byte is read into a staging slot and verified before the state changes, so a restore that fails
 leaves the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into the tensors (no state-sized
-buffer, no second copy; what DCP and ``torch.load(mmap)`` users expect at start-up): the bytes are still verified
+buffer, no second copy; what DCP users expect at start-up): the bytes are still verified
 before ``restore`` returns, a corrupt copy is still skipped and the next one loaded over it, but a restore that finds
 no intact copy leaves those tensors partly overwritten, and its error says so.
 """
@@ -139,9 +139,10 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         assert slot.buffer is not None
         return memoryview(slot.buffer[:n].numpy())
 
-    direct = {i: memoryview(t.reshape(-1).view(torch.uint8).numpy()) for i, t in plan.direct.items()}
+    direct = {i: t.reshape(-1).view(torch.uint8) for i, t in plan.direct.items()}  # the live tensors' bytes
     try:
-        views, offsets = load_files(store, rm, alloc, executor=mgr._io, direct=direct)
+        views, offsets = load_files(store, rm, alloc, executor=mgr._io,
+                                    direct={i: memoryview(b.numpy()) for i, b in direct.items()})
     except BaseException:
         if "slot" in holder:
             mgr._pool.release(holder["slot"])
@@ -149,8 +150,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     buf: torch.Tensor = holder["slot"].buffer
 
     def raw(i: int) -> torch.Tensor:
-        if i in plan.direct:  # the live tensor itself: the copy in ``apply`` finds nothing to do
-            return plan.direct[i].reshape(-1).view(torch.uint8)
+        if i in direct:  # the live tensor itself: the copy in ``apply`` finds nothing to do
+            return direct[i]
         rec = rm.tensors[i]
         start = offsets[rec.file] + rec.offset
         return buf[start : start + rec.nbytes]

@@ -77,8 +77,8 @@ class CheckpointManager:
             :meth:`snapshot_barrier` (automatic before ``optimizer.step()``) waits for it. Tensors changed in place
             before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
             by hand.
-        direct_io: write (and read) the local tier's data files with ``O_DIRECT`` where the file system allows it:
-            the bytes go from the staging buffer to the disk without a copy through the page cache.
+        direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
+            go from the staging buffer to the disk without a copy through the page cache.
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """

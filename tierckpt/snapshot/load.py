@@ -219,9 +219,11 @@ class _Checker:
         if depth > MAX_DEPTH:
             return
         if _is_tag(node, "$tensor") and isinstance(live, torch.Tensor):
-            i = node["$tensor"]
-            if type(i) is int and 0 <= i < len(self.records) and self.records[i].kind == "torch":
-                self.add_direct(live, self.records[i])
+            try:
+                rec = self.record(node, "$tensor", "torch", "state")
+            except CorruptCheckpointError:
+                return  # a bad reference is raised by decoding, with the state untouched
+            self.add_direct(live, rec)
         elif (_is_tag(node, "$dict") or _is_tag(node, "$odict")) and isinstance(live, Mapping):
             pairs = node.get("$dict", node.get("$odict"))
             if not isinstance(pairs, list):

@@ -4,10 +4,10 @@ Durability: every file is ``fsync``-ed before its ``close()`` returns, and folde
 are added or renamed (:meth:`LocalStore.sync_dir`). Space is reserved with ``posix_fallocate`` when the size is
 known, so a full disk fails at the start of a file rather than in the middle.
 
-Direct I/O (``direct_io=True``, the local tier's default): large files are written and read with ``O_DIRECT`` where
-the file system accepts it, so checkpoint bytes go between the staging buffer and the disk without a copy through the
-page cache (that copy costs a CPU core per GB/s and pushes the training job's own pages out). Only aligned pieces go
-direct: a write or read whose buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the
+Direct I/O (``direct_io=True``, the local tier's default): large files are written with ``O_DIRECT`` where the file
+system accepts it, so checkpoint bytes go from the staging buffer to the disk without a copy through the page cache
+(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Reads stay buffered. Only aligned
+pieces go direct: a write whose buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the
 tail of a file, a ``bytes`` object) switches that file descriptor back to buffered I/O, which the kernel keeps
 coherent with the direct part. The ``fsync`` before ``close()`` returns is the same either way.
 
@@ -221,11 +221,7 @@ class LocalStore(Store):
             return f.read(min(size, max_size) + 1)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
-        fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            return pread_into(fd, offset, buf)
-        finally:
-            os.close(fd)
+        return self.readinto_many(rel, offset, [buf])
 
     def readinto_many(self, rel: str, offset: int, bufs: list[memoryview]) -> int:
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -305,17 +301,4 @@ def preadv_into(fd: int, offset: int, bufs: list[memoryview]) -> int:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
-    return total
-
-
-def pread_into(fd: int, offset: int, buf: memoryview) -> int:
-    """``preadv`` until ``buf`` is full or the file ends; returns the bytes read."""
-    view = memoryview(buf).cast("B")
-    total = 0
-    while len(view):
-        n = os.preadv(fd, [view], offset + total)
-        if n == 0:
-            break
-        total += n
-        view = view[n:]
     return total
