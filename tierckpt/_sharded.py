@@ -39,7 +39,7 @@ def persist(mgr: CheckpointManager, snap: RankSnapshot, *, release: Callable[[],
     outcome: tuple[Any, ...]
     written = False
     try:
-        rm, ref = sharded.persist_shard(mgr.local, snap, mgr._io)
+        rm, ref = sharded.persist_shard(mgr.local, snap, mgr._io, mgr._hash)
         outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), snap.metadata)
         written = True
     except Exception as exc:

@@ -1,7 +1,8 @@
 """CheckpointManager: the public entry point. Data flows one way: state -> snapshot -> local tier -> remote tier.
 
 Threads: the caller's thread flattens the state and copies it into a staging slot (the only time training waits);
-one *persist* thread writes each snapshot to the local tier (with ``writer_threads`` file writers) and commits it;
+one *persist* thread writes each snapshot to the local tier (with ``writer_threads`` file writers, which start on
+each file's first bytes while the copy goes on, and as many hashing threads) and commits it;
 one *upload* thread replicates committed steps to the remote tier. Steps move through each stage in order.
 
 Invariants:
@@ -156,6 +157,7 @@ class CheckpointManager:
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin)
         self._copy_stream = torch.cuda.Stream() if cuda else None
         self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
+        self._hash = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-hash")
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-persist")
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-snapshot")
         self._lazy_pending: set[Future] = set()
@@ -210,28 +212,29 @@ class CheckpointManager:
         plan.cache["flatten"] = flat.memo
         slot = self._pool.acquire(plan.buffer_bytes)
         values = flat.values
+        # the persist job starts writing each file while the rest is still being copied (pipelined copy and write)
+        progress = staging.CopyProgress([f.size for f in plan.files])
 
         def stage() -> None:
             try:
                 faults.point("staging")
                 staging.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
-                                  executor=self._pool.copy_executor())
-            except BaseException:
-                self._pool.release(slot)
+                                  executor=self._pool.copy_executor(), progress=progress,
+                                  waves=self.options.writer_threads)
+            except BaseException as exc:
+                progress.fail(exc)  # the persist job gives up on these bytes and releases the slot
                 raise
             finally:
                 values.clear()  # drop references to the caller's tensors
+            handle.staged.set_result(handle.elapsed())  # before the persist job can report this step durable
+            progress.finish()
 
         leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
-        files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, order)
+        files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, order, progress.waiter(f.part))
                  for f, order in zip(plan.files, file_leaves)]
-        if not self.options.lazy_snapshot:
-            stage()
         rec = handle._record
         rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
-        self._last_step = step
-        self._clock.saved(step)
-        job = (handle, slot, files, leaves_meta, flat.tree, metadata)
+        job = (handle, slot, files, leaves_meta, flat.tree, metadata, progress)
         if self.options.lazy_snapshot:
             self._watch_optimizers(state)
             fut = self._snapshotter.submit(self._lazy_stage, stage, job)
@@ -240,9 +243,11 @@ class CheckpointManager:
             self._track(fut)
             rec.stall_s = handle.elapsed()
         else:
-            rec.stall_s = handle.elapsed()
-            handle.staged.set_result(rec.stall_s)
             self._track(self._persist.submit(self._persist_job, *job))
+            stage()
+            rec.stall_s = handle.staged.result()
+        self._last_step = step
+        self._clock.saved(step)
         log.debug("save step %d: %s %.1f MiB in %.3f s", step, "queued" if self.options.lazy_snapshot else "staged",
                   plan.total_bytes / 2**20, rec.stall_s)
         return handle
@@ -250,15 +255,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ lazy snapshot
     def _lazy_stage(self, stage: Any, job: tuple) -> None:
         handle = job[0]
+        self._track(self._persist.submit(self._persist_job, *job))
         try:
             stage()
         except BaseException as exc:
             self._background_error(exc, f"snapshot of step {handle.step} failed")
             for f in (handle.staged, handle.persisted, handle.uploaded):
                 f.set_exception(exc)
-            return
-        handle.staged.set_result(handle.elapsed())
-        self._track(self._persist.submit(self._persist_job, *job))
 
     def snapshot_barrier(self) -> None:
         """Lazy snapshots: block until every snapshot taken so far is in host memory, so the state's tensors may
@@ -280,7 +283,10 @@ class CheckpointManager:
                 self._watch_optimizers(v, depth + 1)
 
     def _persist_job(self, handle: SaveHandle, slot: staging.Slot, files: list[writer.StagedFile],
-                     leaves_meta: list[writer.LeafMeta], tree_json: Any, metadata: Any) -> None:
+                     leaves_meta: list[writer.LeafMeta], tree_json: Any, metadata: Any,
+                     progress: staging.CopyProgress) -> None:
+        """Write, commit and hand on one step. Runs while the snapshot is still being copied in (its files wait for
+        their bytes); if that copy fails, the stage reports it, and this job only cleans up and releases the slot."""
         step = handle.step
         released = []
 
@@ -293,11 +299,14 @@ class CheckpointManager:
             sid = layout.new_save_id() if self._coord is None else _sharded.save_id(self._coord.topology.run_id, step)
             snap = writer.RankSnapshot(step, self.rank, self.world_size, sid, files, leaves_meta, tree_json, metadata)
             if self._coord is None:
-                writer.persist(self.local, snap, self._io)
+                writer.persist(self.local, snap, self._io, self._hash)
             else:
                 _sharded.persist(self, snap, release=release)
         except BaseException as exc:
             release()
+            if progress.failed is not None:  # save() raised it (eager) or _lazy_stage reported it (lazy)
+                log.debug("tier local: step %d not written: its snapshot failed (%s)", step, progress.failed)
+                return
             handle._record.error = str(exc)
             self._background_error(exc, f"saving step {step} to the local tier failed")
             handle.persisted.set_exception(exc)
@@ -474,6 +483,7 @@ class CheckpointManager:
                 h.remove()
             self._hooks.clear()
             self._io.shutdown(wait=True)
+            self._hash.shutdown(wait=True)
             self._pool.close()
             self._preemption.uninstall()
             if self._coord is not None:

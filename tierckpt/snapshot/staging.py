@@ -14,6 +14,13 @@ Copying host tensors: one ``torch._foreach_copy_`` call copies a list of tensors
 torch splits each large copy over its own threads. Thousands of small tensors are dominated by per-tensor cost
 instead, which torch does not parallelise, so when there are many small ones they are split into chunks copied by
 a few threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies the large ones.
+
+Pipelining: given a :class:`CopyProgress`, the copy runs file image by file image in groups of about
+:data:`PIPELINE_GROUP_BYTES`, in the order the writer threads consume them, and raises each file's watermark after
+each group. The local tier's writers wait on those watermarks, so they start writing a file's first bytes while the
+rest of the state is still being copied, and durable time is no longer copy time plus write time. Invariant: a
+watermark covers only bytes whose copy has returned; a failed copy fails the progress, which wakes every waiter
+with an error, and the slot is released by the writer's job (never while it may still read from it).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -49,7 +57,56 @@ THREADED_MIN_TENSORS = 256
 MAX_COPY_THREADS = 4
 #: When balancing chunks, one tensor counts as this many bytes on top of its own (its fixed per-tensor cost).
 _TENSOR_COST_BYTES = 32 << 10
+#: A pipelined copy raises a file's watermark after about this many bytes of it (see the module docstring).
+PIPELINE_GROUP_BYTES = 32 << 20
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+
+
+class StagingFailed(CheckpointError):
+    """The copy into a staging slot failed: whoever waits for its bytes gives up (the copy's error is the cause)."""
+
+
+class CopyProgress:
+    """How many leading bytes of each file image in a slot hold this snapshot's data (pipelined copy and write).
+
+    The copier calls :meth:`advance` per group and :meth:`finish` at the end, or :meth:`fail`; writers call
+    :meth:`wait` before reading a range. Watermarks only rise.
+    """
+
+    def __init__(self, file_sizes: list[int]) -> None:
+        self._sizes = list(file_sizes)
+        self._done = [0] * len(file_sizes)
+        self._cond = threading.Condition()
+        self.failed: BaseException | None = None
+
+    def advance(self, part: int, end: int) -> None:
+        with self._cond:
+            if end > self._done[part]:
+                self._done[part] = end
+                self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._done = list(self._sizes)
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.failed = exc
+            self._cond.notify_all()
+
+    def wait(self, part: int, end: int) -> None:
+        """Block until bytes ``[0, end)`` of file image ``part`` are copied; raise :class:`StagingFailed` if the copy
+        failed."""
+        with self._cond:
+            while self._done[part] < end and self.failed is None:
+                self._cond.wait()
+            if self.failed is not None:
+                raise StagingFailed(f"the snapshot's copy into host memory failed: {self.failed}") from self.failed
+
+    def waiter(self, part: int) -> Callable[[int], None]:
+        """``wait`` bound to one file image (what a writer of that file gets)."""
+        return lambda end: self.wait(part, end)
 
 
 @dataclass(eq=False)
@@ -183,7 +240,44 @@ class _SlotLayout:
         self.torch_idx: list[int] | None = None if len(torch_idx) == len(kinds) else torch_idx
         self.numpy_idx = [i for i, k in enumerate(kinds) if k == "numpy" and sig[i].nbytes]
         self.dsts: list[torch.Tensor] = [views[i] for i in torch_idx]  # type: ignore[misc]
-        self.schedules: dict[int, _CopySchedule] = {}
+        self.schedules: dict[int, Any] = {}
+
+    def pipeline(self, waves: int) -> list[tuple[int, int, list[torch.Tensor], list[int]]]:
+        """Groups for a pipelined copy: (file part, watermark after the group, destinations, source positions).
+
+        Each file's tensors in file order, cut every :data:`PIPELINE_GROUP_BYTES`; files taken ``waves`` at a time
+        (the writer threads take them in that order) with their groups interleaved, so every busy writer has its
+        next bytes early. Leaves copied before the groups (arrays) and empty ones are covered but not listed.
+        """
+        key = -waves  # schedules are keyed by positive thread counts
+        cached = self.schedules.get(key)
+        if cached is not None:
+            return cached  # type: ignore[return-value]
+        pos_of = {leaf: p for p, leaf in enumerate(self.torch_idx)} if self.torch_idx is not None else None
+        per_file: list[list[tuple[int, int, list[torch.Tensor], list[int]]]] = []
+        for f in self.plan.files:
+            groups: list[tuple[int, int, list[torch.Tensor], list[int]]] = []
+            dsts: list[torch.Tensor] = []
+            positions: list[int] = []
+            size = 0
+            for t in f.tensors:
+                pos = t.leaf if pos_of is None else pos_of.get(t.leaf)
+                if pos is not None:
+                    dsts.append(self.dsts[pos])
+                    positions.append(pos)
+                    size += t.nbytes
+                if size >= PIPELINE_GROUP_BYTES:
+                    groups.append((f.part, t.offset + t.nbytes, dsts, positions))
+                    dsts, positions, size = [], [], 0
+            groups.append((f.part, f.size, dsts, positions))
+            per_file.append(groups)
+        order: list[tuple[int, int, list[torch.Tensor], list[int]]] = []
+        for w in range(0, len(per_file), max(1, waves)):
+            wave = per_file[w : w + max(1, waves)]
+            for k in range(max(len(g) for g in wave)):
+                order.extend(g[k] for g in wave if k < len(g))
+        self.schedules[key] = order  # type: ignore[assignment]
+        return order
 
     def schedule(self, threads: int) -> _CopySchedule:
         sched = self.schedules.get(threads)
@@ -240,10 +334,13 @@ def destination_views(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int,
 
 
 def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], flat: FlatState,
-              *, copy_stream: object | None = None, executor: Executor | None = None) -> None:
+              *, copy_stream: object | None = None, executor: Executor | None = None,
+              progress: CopyProgress | None = None, waves: int = 1) -> None:
     """Copy the headers and every leaf's bytes into ``slot``; returns when the bytes are in host memory.
 
     ``executor``: threads for copying many small host tensors in parallel (see :data:`THREADED_MIN_TENSORS`).
+    ``progress``: advanced group by group as the bytes land (pipelined, ``waves`` files at a time) when every leaf
+    is a host tensor and there are not many small ones. The caller then finishes it, or fails it on error.
     """
     assert slot.buffer is not None
     buf = slot.buffer
@@ -268,7 +365,13 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
         return
     sched = layout.schedule(min(MAX_COPY_THREADS, torch.get_num_threads()) if executor is not None else 1)
     if sched.chunks is None:
-        _copy_tensors(dsts, srcs)
+        if progress is None:
+            _copy_tensors(dsts, srcs)
+            return
+        pick = srcs.__getitem__
+        for part, end, group_dsts, positions in layout.pipeline(waves):
+            _copy_tensors(group_dsts, list(map(pick, positions)))
+            progress.advance(part, end)
         return
     assert executor is not None
     pick = srcs.__getitem__
@@ -313,4 +416,5 @@ def _copy_from_devices(pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stre
     stream.synchronize()
 
 
-__all__ = ["StagingPool", "Slot", "aligned_empty", "copy_into", "leaf_locations", "destination_views"]
+__all__ = ["CopyProgress", "StagingFailed", "StagingPool", "Slot", "aligned_empty", "copy_into", "leaf_locations",
+           "destination_views"]

@@ -43,13 +43,14 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
-def persist_shard(store: LocalStore, snap: RankSnapshot, executor: Executor) -> tuple[RankManifest, RankRef]:
+def persist_shard(store: LocalStore, snap: RankSnapshot, executor: Executor,
+                  hash_executor: Executor | None = None) -> tuple[RankManifest, RankRef]:
     """Steps 1-2: this rank's shard durable inside ``step-<N>/``, not yet part of any committed step."""
     tmp = layout.tmp_dir(snap.step, snap.save_id, snap.rank)
     folder = layout.step_dir(snap.step)
     store.makedirs(tmp)
     try:
-        rm, raw, rname = write_rank(store, tmp, snap, executor)
+        rm, raw, rname = write_rank(store, tmp, snap, executor, hash_executor)
         store.sync_dir(tmp)
         store.makedirs(folder)
         for f in rm.files:

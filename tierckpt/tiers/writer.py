@@ -3,8 +3,11 @@
 Order of operations for one step (the commit protocol of :mod:`tierckpt.storage.commit`):
 
 1. ``protocol.begin`` gives the folder to write into (a ``.tmp-`` folder on POSIX stores);
-2. every data file is written from its staging buffer by a pool of threads, in large chunks, each chunk hashed right
-   before it is written (one pass over memory; xxh3 releases the GIL), then fsync-ed on close;
+2. every data file is written from its staging buffer by a pool of threads, in large chunks, then fsync-ed on close;
+   a chunk is written only once the snapshot's copy has reached it (``StagedFile.ready``), so writing starts while
+   the copy goes on. Each file is hashed from the same buffer (one pass over memory; xxh3 releases the GIL) on
+   separate hashing threads once the copy has finished (so hashing never slows the copy, nor the disk), or by the
+   writer right before each chunk is written when no hashing threads are given;
 3. the rank manifest (with every file's and tensor's checksum) is written and fsync-ed;
 4. ``manifest.json`` is written and fsync-ed, LAST;
 5. ``protocol.commit`` makes the step visible (rename + fsync of the root on POSIX).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -27,7 +31,7 @@ from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for
-from .tasks import run_all
+from .tasks import results, submit_all
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,9 @@ class StagedFile:
     data: memoryview
     data_start: int
     leaves: tuple[int, ...]  # leaf indices in file order
+    #: None when ``data`` is complete; else ``ready(end)`` blocks until bytes ``[0, end)`` are (the snapshot is still
+    #: being copied in: pipelined copy and write) and raises if that copy failed
+    ready: Callable[[int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,16 +78,37 @@ def _segment_ends(f: StagedFile, leaves: list[LeafMeta]) -> list[int]:
     return ends
 
 
-def _write_file(store: Store, rel: str, f: StagedFile, leaves: list[LeafMeta]) -> tuple[str, list[bytes]]:
+def _hash_file(f: StagedFile, leaves: list[LeafMeta], snapshot: list[StagedFile]) -> tuple[str, list[bytes]]:
+    """The file's checksum and its segments' digests (header, then each tensor), from the staging buffer."""
+    for g in snapshot:  # start once the whole snapshot is in memory: hashing must not slow the copy training waits on
+        if g.ready is not None:
+            g.ready(len(g.data))
     seg = hashing.SegmentHasher(_segment_ends(f, leaves))
     data = f.data
+    for start in range(0, len(data), WRITE_CHUNK):
+        seg.feed(data[start : start + WRITE_CHUNK])
+    if not seg.done():
+        raise CheckpointError("internal error: a file's segments do not cover it")
+    return seg.file_checksum(), seg.digests
+
+
+def _write_file(store: Store, rel: str, f: StagedFile, leaves: list[LeafMeta] | None) -> tuple[str, list[bytes]] | None:
+    """Write one file in large chunks as its bytes arrive; with ``leaves``, also hash each chunk right before it is
+    written (one thread does both; used when there are no separate hashing threads)."""
+    seg = None if leaves is None else hashing.SegmentHasher(_segment_ends(f, leaves))
+    data, ready = f.data, f.ready
     with store.open_write(rel, size_hint=len(data)) as w:
         for start in range(0, len(data), WRITE_CHUNK):
             chunk = data[start : start + WRITE_CHUNK]
-            seg.feed(chunk)
+            if ready is not None:
+                ready(start + len(chunk))
+            if seg is not None:
+                seg.feed(chunk)
             w.write(chunk)
             if start == 0:
                 faults.point("mid-file")
+    if seg is None:
+        return None
     if not seg.done():
         raise CheckpointError(f"internal error: segments of {rel} do not cover the file")
     return seg.file_checksum(), seg.digests
@@ -100,14 +128,24 @@ class RankSnapshot:
     metadata: Any
 
 
-def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor) -> tuple[RankManifest, bytes, str]:
-    """Write one rank's data files (in parallel, hashed on the way) and then its rank manifest into ``folder``."""
+def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor,
+               hash_executor: Executor | None = None) -> tuple[RankManifest, bytes, str]:
+    """Write one rank's data files (in parallel) and then its rank manifest into ``folder``.
+
+    With ``hash_executor``, files are hashed there while they are written (a writer thread then only writes, so the
+    disk never waits for a hash); without it, each writer hashes its chunks on the way.
+    """
     names = [layout.data_file_name(snap.rank, f.part, snap.save_id) for f in snap.files]
-    results = run_all(executor, lambda fn: _write_file(store, join(folder, fn[0]), fn[1], snap.leaves),
-                      zip(names, snap.files))
+    inline = None if hash_executor is not None else snap.leaves
+    tasks = submit_all(executor, lambda fn: _write_file(store, join(folder, fn[0]), fn[1], inline),
+                       list(zip(names, snap.files)))
+    if hash_executor is not None:
+        tasks += submit_all(hash_executor, lambda f: _hash_file(f, snap.leaves, snap.files), snap.files)
+    done = results(tasks)
+    sums = done if hash_executor is None else done[len(names):]
     file_records = []
     tensor_sums: dict[int, str] = {}
-    for f, name, (checksum, digests) in zip(snap.files, names, results):
+    for f, name, (checksum, digests) in zip(snap.files, names, sums):
         file_records.append(FileRecord(name=name, size=len(f.data), checksum=checksum, data_start=f.data_start))
         for i, d in zip(f.leaves, digests[1:]):
             tensor_sums[i] = d.hex()
@@ -127,7 +165,8 @@ def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor
     return rank_manifest, raw, rname
 
 
-def persist(store: Store, snap: RankSnapshot, executor: Executor) -> PersistResult:
+def persist(store: Store, snap: RankSnapshot, executor: Executor,
+            hash_executor: Executor | None = None) -> PersistResult:
     """Write, checksum and commit one rank's snapshot as step ``step`` (single-rank steps commit here)."""
     t0 = time.perf_counter()
     step, rank, save_id = snap.step, snap.rank, snap.save_id
@@ -135,7 +174,7 @@ def persist(store: Store, snap: RankSnapshot, executor: Executor) -> PersistResu
     folder = layout.tmp_dir(step, save_id)
     try:
         folder = protocol.begin(store, step, save_id)
-        rank_manifest, raw, rname = write_rank(store, folder, snap, executor)
+        rank_manifest, raw, rname = write_rank(store, folder, snap, executor, hash_executor)
         manifest = StepManifest(
             step=step, world_size=snap.world_size, save_id=save_id,
             ranks=(RankRef(rank, rname, len(raw), hashing.digest(raw).hex()),),

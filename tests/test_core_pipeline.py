@@ -1,0 +1,236 @@
+"""Pipelined copy and write: the local tier's writers start on each file's first bytes while the rest of the
+snapshot is still being copied, and hashing runs on its own threads.
+
+The invariants checked here: a file's watermark never covers a byte that is not copied yet; writers really start
+before the copy ends; a copy that fails mid-way is reported once (by ``save()``, or by the lazy snapshot's
+background error), leaves no committed step and no temporary folder, and frees its slot; hashing on separate
+threads gives the same checksums as hashing in the writer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers_core import assert_tensor_equal, rank_manifests, step_path
+
+from tierckpt import CheckpointManager
+from tierckpt.format.plan import make_plan
+from tierckpt.snapshot import staging, tree
+from tierckpt.storage import local as local_store
+from tierckpt.tiers import writer
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+
+
+def _state(n: int, numel: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    model = {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}
+    model["bias_bf16"] = torch.randn(1000, generator=g).to(torch.bfloat16)
+    return {"model": model, "step": 3}
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: v.clone() for k, v in state["model"].items()}, "step": state["step"]}
+
+
+def _zeros(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
+
+
+def _assert_restores(mgr: CheckpointManager, want: dict[str, Any], step: int) -> None:
+    fresh = _zeros(want)
+    assert mgr.restore(fresh) == step
+    for k, v in want["model"].items():
+        assert_tensor_equal(fresh["model"][k], v, k)
+    assert fresh["step"] == want["step"]
+
+
+class _CheckedProgress(staging.CopyProgress):
+    """Checks, at every advance, that the slot holds the reference image's bytes up to the new watermark."""
+
+    def __init__(self, sizes: list[int], slot: staging.Slot, ref: torch.Tensor, offsets: list[int]) -> None:
+        super().__init__(sizes)
+        self.slot, self.ref, self.offsets = slot, ref, offsets
+        self.calls: list[tuple[int, int]] = []
+
+    def advance(self, part: int, end: int) -> None:
+        start = self.offsets[part]
+        assert self.slot.buffer is not None
+        got = self.slot.buffer[start : start + end]
+        assert torch.equal(got, self.ref[start : start + end]), f"watermark {end} of file {part} covers uncopied bytes"
+        self.calls.append((part, end))
+        super().advance(part, end)
+
+
+def test_watermarks_cover_only_copied_bytes_in_wave_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", MiB)
+    state = _state(24, 96 * 1024, seed=1)  # 24 tensors of 384 KiB
+    flat = tree.flatten(state)
+    plan = make_plan(flat.specs, file_bytes=2 * MiB, min_files=2)
+    files = len(plan.files)
+    assert files >= 4
+    locations = staging.leaf_locations(plan)
+    pool = staging.StagingPool(slots=2, pin=False)
+    ref_slot = pool.acquire(plan.buffer_bytes)
+    staging.copy_into(ref_slot, plan, locations, flat)  # the reference image, copied in one go
+    assert ref_slot.buffer is not None
+    slot = pool.acquire(plan.buffer_bytes)
+    assert slot is not ref_slot and slot.buffer is not None
+    slot.buffer.fill_(0xA5)
+    flat = tree.flatten(state)  # copy_into's caller owns the values list; a fresh one
+    progress = _CheckedProgress([f.size for f in plan.files], slot, ref_slot.buffer,
+                                [f.buffer_offset for f in plan.files])
+    staging.copy_into(slot, plan, locations, flat, progress=progress, waves=2)
+    progress.finish()
+    for f in plan.files:  # every file image complete (the padding between images is never written)
+        image = slice(f.buffer_offset, f.buffer_offset + f.size)
+        assert torch.equal(slot.buffer[image], ref_slot.buffer[image]), f"file {f.part}"
+    calls = progress.calls
+    assert len(calls) > files, "the copy did not advance group by group"
+    for part in range(files):  # every file's watermark rises to its end
+        ends = [e for p, e in calls if p == part]
+        assert ends == sorted(ends) and ends[-1] == plan.files[part].size, (part, ends)
+    # files are copied a wave (the writer threads' first files) at a time, interleaved within the wave
+    first_wave = {p for p, _ in calls[: len([c for c in calls if c[0] in (0, 1)])]}
+    assert first_wave == {0, 1}
+    assert calls[0][0] == 0 and calls[1][0] == 1
+    pool.close()
+
+
+def test_copy_progress_wakes_waiters_and_reports_failure() -> None:
+    progress = staging.CopyProgress([100, 200])
+    woke: list[str] = []
+
+    def waiter() -> None:
+        progress.wait(1, 150)
+        woke.append("ok")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    progress.advance(1, 100)
+    progress.advance(0, 100)
+    time.sleep(0.05)
+    assert not woke, "a waiter woke before its bytes were copied"
+    progress.advance(1, 150)
+    t.join(5)
+    assert woke == ["ok"]
+    progress.fail(RuntimeError("copy broke"))
+    with pytest.raises(staging.StagingFailed, match="copy broke"):
+        progress.wait(0, 101)
+
+
+def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
+    state = _state(20, MiB, seed=2)  # 80 MiB in 20 tensors of 4 MiB, two files of 40 MiB (at most 48 MiB each)
+    copies: list[float] = []
+    writes: list[float] = []
+    real_copy, real_write = staging._copy_tensors, local_store._LocalWriteStream.write
+
+    def slow_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        real_copy(dsts, srcs)
+        time.sleep(0.02)  # a slow copy (a device-to-host copy of a large state)
+        copies.append(time.perf_counter())
+
+    def spy_write(self: Any, data: Any) -> None:
+        if not self.path.endswith(".json"):
+            writes.append(time.perf_counter())
+        real_write(self, data)
+
+    with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2) as mgr:
+        want = _clone(state)
+        monkeypatch.setattr(staging, "_copy_tensors", slow_copy)
+        monkeypatch.setattr(local_store._LocalWriteStream, "write", spy_write)
+        handle = mgr.save(1, state)
+        assert handle.staged.done() and handle.staged.exception() is None
+        handle.persisted.result(60)
+        monkeypatch.undo()
+        assert handle.record().files == 2
+        assert len(copies) >= 10, copies
+        assert writes and min(writes) < max(copies), "no data was written before the copy finished"
+        _assert_restores(mgr, want, 1)
+
+
+def _failing_copy(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> list[int]:
+    calls = [0]
+    real = staging._copy_tensors
+
+    def failing(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("injected copy failure")
+        real(dsts, srcs)
+        time.sleep(0.01)  # give the writers time to start on the first groups
+
+    monkeypatch.setattr(staging, "_copy_tensors", failing)
+    return calls
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp") or p.name.startswith("tmp"))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_copy_failing_mid_way_is_reported_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
+    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
+    state = _state(20, MiB, seed=3)
+    root = tmp_path / "c"
+    with CheckpointManager(root, file_size_mb=40, lazy_snapshot=lazy, keep_local=5) as mgr:
+        mgr.save(1, state).persisted.result(60)
+        calls = _failing_copy(monkeypatch, fail_at=4)
+        if lazy:
+            handle = mgr.save(2, state)
+            with pytest.raises(RuntimeError, match="injected copy failure"):
+                handle.staged.result(60)
+            with pytest.raises(RuntimeError, match="injected copy failure"):
+                handle.persisted.result(60)
+            with pytest.raises(RuntimeError, match="injected copy failure"):
+                mgr.wait(60)
+        else:
+            with pytest.raises(RuntimeError, match="injected copy failure"):
+                mgr.save(2, state)
+        assert calls[0] == 4
+        monkeypatch.undo()
+        mgr.wait(60)  # reported once: nothing left to raise
+        want = _clone(state)
+        done = threading.Event()
+        threading.Thread(target=lambda: (mgr.save(3, state).persisted.result(60), done.set())).start()
+        assert done.wait(60), "the failed save's staging slot was never released"
+        mgr.wait(60)
+        assert [s.step for s in mgr.steps()] == [1, 3]
+        assert not step_path(root, 2).exists()
+        assert _leftovers(root) == []
+        _assert_restores(mgr, want, 3)
+
+
+def _manifest_sums(root: Path, step: int) -> tuple[list[str], list[str]]:
+    (rm,) = rank_manifests(step_path(root, step))
+    doc = json.loads(rm.read_text())
+    return [f["checksum"] for f in doc["files"]], [t["checksum"] for t in doc["tensors"]]
+
+
+def test_hashing_threads_agree_with_hashing_in_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state(20, 3 * MiB // 4 + 17, seed=4)  # odd sizes: segments cross the 8 MiB chunks anywhere
+    with CheckpointManager(tmp_path / "pool", file_size_mb=16) as mgr:
+        mgr.save(1, state).persisted.result(60)
+    real = writer.write_rank
+    used: list[object] = []
+
+    def inline(store: Any, folder: str, snap: Any, executor: Any, hash_executor: Any = None) -> Any:
+        used.append(hash_executor)
+        return real(store, folder, snap, executor, None)
+
+    monkeypatch.setattr(writer, "write_rank", inline)
+    with CheckpointManager(tmp_path / "inline", file_size_mb=16) as mgr:
+        mgr.save(1, state).persisted.result(60)
+    assert used and used[0] is not None  # the manager does give the writer its hashing threads
+    pooled, inlined = _manifest_sums(tmp_path / "pool", 1), _manifest_sums(tmp_path / "inline", 1)
+    assert len(pooled[0]) >= 4 and all(pooled[0]) and all(pooled[1])
+    assert pooled == inlined
