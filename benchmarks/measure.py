@@ -34,7 +34,9 @@ from common import (
     fsync_path,
     fsync_tree,
     median,
+    pack_aligned,
     parallel,
+    read_file_direct,
     read_file_into,
     remove,
     rss_bytes,
@@ -42,6 +44,7 @@ from common import (
     split_balanced,
     timed,
     write_file,
+    write_file_direct,
 )
 from state import copy_into, flatten, states_equal, tensors
 
@@ -142,7 +145,8 @@ def case_hash(ctx: Ctx) -> Metrics:
 
 
 def case_raw_io(ctx: Ctx) -> Metrics:
-    """Raw sequential write+fsync of the state's bytes (one file; N files on N threads), then cold and warm reads."""
+    """Raw sequential write+fsync of the state's bytes (one file; N files on N threads; N files with ``O_DIRECT`` from
+    page-aligned buffers), then cold and warm reads (the direct files: cold only)."""
     out: Metrics = {}
     d = fresh_dir(ctx.scratch, "raw")
     try:
@@ -177,6 +181,22 @@ def case_raw_io(ctx: Ctx) -> Metrics:
             parallel(read, n)
         if ctx.check and ctx.repeat == 0:
             out["read_ok"] = states_equal(ctx.state, ctx.dst)
+        for p in paths:
+            remove(p)
+
+        if hasattr(os, "O_DIRECT"):  # the same N files with O_DIRECT from page-aligned buffers (no page cache)
+            bufs = [pack_aligned([ctx.src_list[i] for i in groups[g]]) for g in range(n)]  # not timed
+            try:
+                with timed(out, "write_nf_direct"):
+                    parallel(lambda g: write_file_direct(paths[g], bufs[g]), n)
+                    fsync_path(paths[0])
+                drop_caches()
+                with timed(out, "read_cold_nf_direct"):
+                    parallel(lambda g: read_file_direct(paths[g], bufs[g]), n)
+            except OSError as exc:  # EINVAL: this file system has no O_DIRECT; the buffered limits stand
+                out.pop("write_nf_direct", None)
+                out["direct_error"] = str(exc)
+            del bufs
     finally:
         remove(d)
     return out
