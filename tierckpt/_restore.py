@@ -141,7 +141,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
 
     direct = {i: t.reshape(-1).view(torch.uint8) for i, t in plan.direct.items()}  # the live tensors' bytes
     try:
-        views, offsets = load_files(store, rm, alloc, executor=mgr._io,
+        views, offsets = load_files(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash,
                                     direct={i: memoryview(b.numpy()) for i, b in direct.items()})
     except BaseException:
         if "slot" in holder:

@@ -8,14 +8,18 @@ Invariants:
 - all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder;
 - ``direct`` reads (restore with ``in_place=True``) scatter a file straight into the caller's tensors with vectored
   reads (``preadv``) on stores with a local path; those bytes are hashed where they land and a mismatch still raises,
-  but only after they were written there. Other stores read into the buffer, verify, then copy.
+  but only after they were written there. Other stores read into the buffer, verify, then copy;
+- with hashing threads, a file's reader hands each piece it read to its own hashing task and reads on; the file is
+  verified only when that task has hashed every piece, and a read never returns (nor lets its memory go) while its
+  hashing task may still touch it.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -175,11 +179,44 @@ def _batches(pieces: list[memoryview]) -> list[list[memoryview]]:
     return out
 
 
+class _Hashing:
+    """Feeds one file's pieces, in order, to its hasher: on a thread of ``executor`` (so the reader goes on reading
+    while the last piece is hashed) or, without one, right away on the reader's thread."""
+
+    def __init__(self, seg: hashing.SegmentHasher, executor: Executor | None) -> None:
+        self.seg = seg
+        self._queue: queue.SimpleQueue[list[memoryview] | None] | None = None
+        self._task: Future[None] | None = None
+        if executor is not None:
+            self._queue = queue.SimpleQueue()
+            self._task = executor.submit(self._drain)
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while (pieces := self._queue.get()) is not None:
+            for piece in pieces:
+                self.seg.feed(piece)
+
+    def feed(self, pieces: list[memoryview]) -> None:
+        if self._queue is None:
+            for piece in pieces:
+                self.seg.feed(piece)
+        else:
+            self._queue.put(pieces)
+
+    def finish(self) -> None:
+        """Wait until every piece fed is hashed (also on error: the memory may be released right after)."""
+        if self._queue is not None and self._task is not None:
+            self._queue.put(None)
+            self._task.result()
+
+
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
-                   direct: dict[int, memoryview] | None = None) -> None:
+                   direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None) -> None:
     """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch.
 
     ``direct``: record index -> memory the tensor's bytes go to instead of ``out`` (see the module docstring).
+    ``hash_executor``: hash on a thread there while this one reads on (else read and hash take turns).
     """
     f = rm.files[index]
     rel = join(layout.step_dir(rm.step), f.name)
@@ -191,32 +228,43 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
 
         fetch_file(store, layout.step_dir(rm.step), f, out)
         seg.feed(out)
-    elif scatter:
-        pos = 0
-        for batch in _batches(_pieces(rm, index, out, mine)):
-            want = sum(b.nbytes for b in batch)
-            n = store.readinto_many(rel, pos, batch)
-            if n != want:
-                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
-                                             path=f"{store.url}/{rel}", bad_files=[f.name])
-            for b in batch:
-                seg.feed(b)
-            pos += n
     else:
-        pos = 0
-        while pos < f.size:
-            n = store.readinto(rel, pos, out[pos : pos + READ_CHUNK])
-            if n <= 0:
-                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
-                                             path=f"{store.url}/{rel}", bad_files=[f.name])
-            seg.feed(out[pos : pos + n])
-            pos += n
+        hasher = _Hashing(seg, hash_executor)
+        try:
+            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher)
+        finally:
+            hasher.finish()
     if seg.file_checksum() != f.checksum:
         raise mismatch_error(store, rm, index, seg.digests)
     if mine and not scatter:  # verified in ``out``: now hand the tensors their bytes
         for i, view in mine.items():
             t = rm.tensors[i]
             view[:] = out[t.offset : t.offset + t.nbytes]
+
+
+def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memoryview,
+                 scatter: dict[int, memoryview] | None, hasher: _Hashing) -> None:
+    """Read file ``index`` in order (vectored into ``scatter`` tensors and ``out``, or all into ``out``), handing
+    each piece read to ``hasher``."""
+    f = rm.files[index]
+    pos = 0
+    if scatter:
+        for batch in _batches(_pieces(rm, index, out, scatter)):
+            want = sum(b.nbytes for b in batch)
+            n = store.readinto_many(rel, pos, batch)
+            if n != want:
+                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
+                                             path=f"{store.url}/{rel}", bad_files=[f.name])
+            hasher.feed(batch)
+            pos += n
+        return
+    while pos < f.size:
+        n = store.readinto(rel, pos, out[pos : pos + READ_CHUNK])
+        if n <= 0:
+            raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
+                                         path=f"{store.url}/{rel}", bad_files=[f.name])
+        hasher.feed([out[pos : pos + n]])
+        pos += n
 
 
 def load_rank(
@@ -241,11 +289,12 @@ def load_rank(
 
 def load_files(
     store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
-    direct: dict[int, memoryview] | None = None,
+    direct: dict[int, memoryview] | None = None, hash_executor: Executor | None = None,
 ) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
     """Read and verify every data file of a rank into one buffer from ``alloc``; returns views and offsets.
 
-    ``direct`` tensors' bytes go to their own memory instead (their ranges of the buffer are left unwritten)."""
+    ``direct`` tensors' bytes go to their own memory instead (their ranges of the buffer are left unwritten).
+    ``hash_executor``: at least as many threads as ``executor``; files are hashed there while they are read."""
     check_sizes(store, rm)
     offsets = []
     total = 0
@@ -254,5 +303,6 @@ def load_files(
         total += -(-f.size // 4096) * 4096
     buf = alloc(total)
     views = [buf[o : o + f.size] for o, f in zip(offsets, rm.files)]
-    run_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct), range(len(rm.files)))
+    run_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct, hash_executor=hash_executor),
+            range(len(rm.files)))
     return tuple(views), tuple(offsets)
