@@ -201,7 +201,8 @@ class CheckpointManager:
         if self._last_step is not None and step <= self._last_step:
             raise CheckpointError(f"step {step} is not after the last step this manager saved ({self._last_step})",
                                   step=step, tier="local", path=self.local.url)
-        metadata = _json_metadata(metadata)
+        if metadata is not None:
+            metadata = _json_metadata(metadata)
         handle = SaveHandle(step)
         # steady state: the memo of the last flatten and the plan's cached records make this cost little per tensor
         flat = tree.flatten(state, None if self._plan is None else self._plan.cache.get("flatten"))
@@ -230,8 +231,8 @@ class CheckpointManager:
             progress.finish()
 
         leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
-        files = [writer.StagedFile(f.part, slot.file_view(plan, f.part), f.data_start, order, progress.waiter(f.part))
-                 for f, order in zip(plan.files, file_leaves)]
+        files = [writer.StagedFile(f.part, view, f.data_start, order, progress.waiter(f.part))
+                 for f, view, order in zip(plan.files, slot.file_views(plan), file_leaves)]
         rec = handle._record
         rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
         job = (handle, slot, files, leaves_meta, flat.tree, metadata, progress)

@@ -128,6 +128,15 @@ class Slot:
         assert self.buffer is not None
         return memoryview(self.buffer[f.buffer_offset : f.buffer_offset + f.size].numpy())
 
+    def file_views(self, plan: SnapshotPlan) -> list[memoryview]:
+        """Every file image of ``plan`` in this slot (cached with the slot's layout for that plan)."""
+        layout = self._views_for
+        if isinstance(layout, _SlotLayout) and layout.plan is plan:
+            if layout.file_views is None:
+                layout.file_views = [self.file_view(plan, f.part) for f in plan.files]
+            return layout.file_views
+        return [self.file_view(plan, f.part) for f in plan.files]
+
     def raw_leaf(self, plan: SnapshotPlan, file_of_leaf: list[tuple[int, int]], i: int) -> torch.Tensor:
         part, offset = file_of_leaf[i]
         start = plan.files[part].buffer_offset + offset
@@ -230,7 +239,7 @@ class _CopySchedule:
 class _SlotLayout:
     """Typed views into a slot for every leaf of one plan, and the copy derived from them (built once per plan)."""
 
-    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules")
+    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules", "file_views")
 
     def __init__(self, plan: SnapshotPlan, kinds: list[str], views: list[torch.Tensor | np.ndarray]) -> None:
         self.plan, self.kinds, self.views = plan, kinds, views
@@ -241,6 +250,7 @@ class _SlotLayout:
         self.numpy_idx = [i for i, k in enumerate(kinds) if k == "numpy" and sig[i].nbytes]
         self.dsts: list[torch.Tensor] = [views[i] for i in torch_idx]  # type: ignore[misc]
         self.schedules: dict[int, Any] = {}
+        self.file_views: list[memoryview] | None = None
 
     def pipeline(self, waves: int) -> list[tuple[int, int, list[torch.Tensor], list[int]]]:
         """Groups for a pipelined copy: (file part, watermark after the group, destinations, source positions).

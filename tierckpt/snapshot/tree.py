@@ -12,8 +12,9 @@ Invariants:
 - the same tensor memory reached through several keys (tied parameters) is stored once and referenced twice;
 - anything that cannot be stored raises ``TypeError`` naming its key path, before any buffer is touched.
 
-Cost: a save of a state with thousands of tensors waits for this module, so the common shape of a state (dicts of
-plain tensors under str/int keys) is encoded a whole dict at a time, reading each tensor attribute through ``map``
+Cost: a save of a state with thousands of tensors waits for this module, so the common shapes of a state (dicts of
+plain tensors under str/int keys, and dicts of those, such as an optimizer's per-parameter state) are encoded a
+whole dict at a time, reading each tensor attribute through ``map``
 rather than per-tensor Python code, and a :class:`FlattenMemo` of the previous flatten supplies key paths, leaf
 names and shape tuples when the new state's keys, dtypes and shapes compare equal to the old ones. The memo holds
 no tensor, and every tensor attribute that decides a save's correctness (type, dtype, shape, layout, device, data
@@ -25,9 +26,9 @@ from __future__ import annotations
 import base64
 import collections
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import chain, compress
 from typing import Any
 
 import numpy as np
@@ -248,6 +249,50 @@ class _Flattener:
         if memo is None or memo.keys != keys:
             bases = [str(k) or "tensor" for k in keys] if prefix is None else [f"{prefix}.{k}" for k in keys]
             memo = _NodeMemo(keys, [f"{path}[{k!r}]" for k in keys], bases)
+
+        def items_of(first: int) -> list:
+            return [[k, {"$tensor": i}] for k, i in zip(keys, range(first, first + len(keys)))]
+
+        return self._encode_batch(vals, memo, path, prefix, items_of, keys)
+
+    def encode_tensor_dicts(self, obj: dict, path: str, prefix: str | None) -> list | None:
+        """The items of a dict of dicts of plain tensors (an optimizer's per-parameter state, ``{param: {"step":
+        ..., "exp_avg": ..., ...}}``) in one batch, encoded exactly as the per-item path would; None when the batch
+        does not apply (or a tensor aliases another: the per-item path stores aliases once)."""
+        inner = list(obj.values())
+        if set(map(type, inner)) != {dict}:
+            return None
+        keys = list(obj)
+        inner_keys = [list(d) for d in inner]
+        vals = [v for d in inner for v in d.values()]
+        if len(vals) < BATCH_MIN or not set(map(type, vals)) <= _TENSOR_TYPES:
+            return None
+        if not set(map(type, keys)) <= _KEY_TYPES or not set(map(type, chain.from_iterable(inner_keys))) <= _KEY_TYPES:
+            return None
+        signature = (keys, inner_keys)
+        memo = self.old_nodes.get((path, prefix))
+        if memo is None or memo.keys != signature:
+            paths, bases = [], []
+            for k, ks in zip(keys, inner_keys):
+                outer_path, outer_prefix = f"{path}[{k!r}]", _child_prefix(prefix, k)
+                paths += [f"{outer_path}[{k2!r}]" for k2 in ks]
+                bases += [_child_prefix(outer_prefix, k2) or "tensor" for k2 in ks]
+            memo = _NodeMemo(signature, paths, bases)
+
+        def items_of(first: int) -> list:
+            items, i = [], first
+            for k, ks in zip(keys, inner_keys):
+                items.append([k, {"$dict": [[k2, {"$tensor": j}] for k2, j in zip(ks, range(i, i + len(ks)))]}])
+                i += len(ks)
+            return items
+
+        return self._encode_batch(vals, memo, path, prefix, items_of, None)
+
+    def _encode_batch(self, vals: list, memo: _NodeMemo, path: str, prefix: str | None,
+                      items_of: Callable[[int], list], alias_keys: list | None) -> list | None:
+        """Append a batch of plain tensors as leaves and return the node's encoded items (from the memo when the
+        dtypes, shapes and leaf positions are unchanged). ``alias_keys``: the dict's keys, to encode a batch with an
+        aliased tensor item by item; None: return None for such a batch, before anything was appended."""
         dtypes = list(map(_DTYPE, vals))
         if dtypes == memo.dtypes:
             codes = memo.codes
@@ -257,10 +302,9 @@ class _Flattener:
                 return None
         if not set(map(_LAYOUT, vals)) <= _STRIDED:
             return None
-        if not all(map(_IS_CPU, vals)):
-            if any(d.type == "meta" for d in set(map(_DEVICE, vals))):
-                return None
-            self.all_cpu = False
+        all_cpu = all(map(_IS_CPU, vals))
+        if not all_cpu and any(d.type == "meta" for d in set(map(_DEVICE, vals))):
+            return None
         sizes = list(map(_SHAPE, vals))
         if codes is memo.codes and sizes == memo.shapes:
             shapes, nbytes = memo.shapes, memo.nbytes
@@ -277,15 +321,21 @@ class _Flattener:
         else:
             fresh, n_live = dict(pairs), n
         if len(fresh) != n_live or not self.by_ptr.keys().isdisjoint(fresh):
-            return self._encode_aliased(keys, vals, dtypes, codes, shapes, nbytes, ptrs, memo, path, prefix)
+            if alias_keys is None:
+                return None
+            if not all_cpu:
+                self.all_cpu = False
+            return self._encode_aliased(alias_keys, vals, dtypes, codes, shapes, nbytes, ptrs, memo, path, prefix)
+        if not all_cpu:
+            self.all_cpu = False
         self.by_ptr.update(fresh)
         self._extend(vals, codes, shapes, nbytes, None, memo.paths, memo.bases, 0, n)
         if memo.first == first and memo.items is not None and memo.codes is codes and memo.shapes is shapes:
             self.nodes[(path, prefix)] = memo
             return memo.items
-        items = [[k, {"$tensor": i}] for k, i in zip(keys, range(first, first + n))]
-        self.nodes[(path, prefix)] = _NodeMemo(keys, memo.paths, memo.bases, dtypes, codes, shapes, nbytes, first,
-                                               items)
+        items = items_of(first)
+        self.nodes[(path, prefix)] = _NodeMemo(memo.keys, memo.paths, memo.bases, dtypes, codes, shapes, nbytes,
+                                               first, items)
         return items
 
     def _encode_aliased(self, keys: list, vals: list, dtypes: list, codes: list[str], shapes: list, nbytes: list[int],
@@ -336,8 +386,12 @@ class _Flattener:
 
     def encode_mapping(self, obj: Mapping, path: str, prefix: str | None, depth: int) -> dict[str, list]:
         tag = "$odict" if isinstance(obj, collections.OrderedDict) else "$dict"
-        if (type(obj) is dict or type(obj) is collections.OrderedDict) and len(obj) >= BATCH_MIN:
-            batch = self.encode_tensor_dict(obj, path, prefix)
+        if type(obj) is dict or type(obj) is collections.OrderedDict:
+            batch = None
+            if len(obj) >= BATCH_MIN:
+                batch = self.encode_tensor_dict(obj, path, prefix)
+            if batch is None and obj and type(next(iter(obj.values()))) is dict and depth + 2 <= MAX_DEPTH:
+                batch = self.encode_tensor_dicts(obj, path, prefix)
             if batch is not None:
                 return {tag: batch}
         items = []
