@@ -251,6 +251,32 @@ def test_in_place_restore_from_a_posix_remote_with_local_caching(tmp_path: Path)
             _assert_job_equal(again, job)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in_place"])
+def test_tied_and_untied_targets_of_one_saved_tensor(tmp_path: Path, in_place: bool) -> None:
+    """A tensor saved once under two keys (tied weights) restores into tied and into untied live tensors; a
+    square matrix next to its own transpose (same memory, other strides) is two tensors and both come back."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 64, generator=g)
+    sq = torch.randn(32, 32, generator=g)
+    state = {"a": w, "b": w, "sq": sq, "sq_t": sq.t(), "other": torch.randn(100, generator=g)}
+    want = {k: v.clone() for k, v in state.items()}
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        assert mgr.records()[-1].tensors == 4  # "b" is "a"
+        tied = torch.zeros(64, 64)
+        zsq = torch.zeros(32, 32)
+        targets = [
+            {"a": tied, "b": tied, "sq": zsq, "sq_t": zsq.t(), "other": torch.zeros(100)},
+            {"a": torch.zeros(64, 64), "b": torch.zeros(64, 64), "sq": torch.zeros(32, 32),
+             "sq_t": torch.zeros(32, 32).t(), "other": torch.zeros(100)},
+        ]
+        for live in targets:
+            assert mgr.restore(live, in_place=in_place) == 1
+            for k, v in want.items():
+                assert_tensor_equal(live[k], v, k)
+
+
 def test_in_place_option_is_validated(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="in_place"):
         mgr.restore({}, in_place=1)  # type: ignore[arg-type]

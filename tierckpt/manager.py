@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import logging
@@ -23,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -183,15 +184,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
         """Snapshot ``state`` into host buffers and return; persisting and uploading continue in the background."""
-        # A save builds a few objects per tensor; a cyclic-GC pass over a large heap in the middle would cost more
-        # than the whole save (measured: +100 ms for 10,000 tensors). Nothing here makes cycles, so pause it.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with _gc_paused():
             return self._save(step, state, metadata)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
 
     def _save(self, step: int, state: Mapping[str, Any], metadata: Any) -> SaveHandle:
         self._check_open()
@@ -408,10 +402,11 @@ class CheckpointManager:
             if fut in self._pending:
                 wait_futures([fut])
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
-        if self._coord is not None:
-            return _sharded.restore(self, state, step, tiers, strict=strict,
-                                    load=lambda *a: _restore.prepare(self, *a, in_place=in_place))
-        return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place)
+        with _gc_paused():
+            if self._coord is not None:
+                return _sharded.restore(self, state, step, tiers, strict=strict,
+                                        load=lambda *a: _restore.prepare(self, *a, in_place=in_place))
+            return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place)
 
     def latest_step(self) -> int | None:
         """The newest committed step in any tier (committed = manifest present; restore verifies)."""
@@ -511,6 +506,20 @@ class CheckpointManager:
                 self._unlock()
             except Exception:
                 pass
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector. A save or restore builds a few objects per tensor (restore parses a
+    manifest of them); a collection over a large heap in the middle would cost more than the work itself (measured:
+    +100 ms for a save of 10,000 tensors, +40 ms for parsing their manifest). Nothing here makes cycles."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _leaf_records(plan: SnapshotPlan, locations: list[tuple[int, int]],

@@ -27,6 +27,7 @@ from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format.manifest import TensorRecord
 from .dtensor import is_dtensor, target_box
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
+from .staging import copy_tensors
 from .tree import MAX_DEPTH, is_stateful
 
 TensorSource = Callable[[int], torch.Tensor]
@@ -147,14 +148,21 @@ class RestorePlan:
     dtensor_targets: dict[str, tuple[Any, str, tuple[int, ...]]] = field(default_factory=dict)
     #: record index -> live CPU tensor its bytes may be read straight into (``in_place=True`` only)
     direct: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: (live tensor, record index) of every plain tensor leaf whose bytes must be copied in, done in one batch
+    #: (leaves read straight into their live memory are not listed: they hold their bytes already)
+    copies: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
               dtensor: Callable[[str], Any] | None = None) -> None:
         dec = _Decoder(records, tensor, step=step, dtensor=dtensor, direct=frozenset(self.direct))
-        # decode everything first (a malformed node raises here, before the state is touched), then commit
+        # decode everything first (a malformed node raises here, before the state is touched), then commit. No
+        # commit reads a live tensor another one writes (decoded values are views of the loaded bytes or clones),
+        # so the tensor copies can run together, after the others.
         commits = [action(dec) for action in self.actions]
+        srcs = [tensor(i) for _, i in self.copies]
         for commit in commits:
             commit()
+        _copy_all([d for d, _ in self.copies], srcs)
 
 
 def _mismatch(msg: str, path: str, step: int | None) -> StateMismatchError:
@@ -205,6 +213,12 @@ class _Checker:
                  in_place: bool = False) -> None:
         self.records, self.strict, self.step, self.plan = records, strict, step, plan
         self.in_place = in_place
+        self._keys = _Decoder(records, _no_tensor, step=step)
+
+    def key(self, node: Any) -> Any:
+        """A saved dict key (str and int keys are stored as themselves)."""
+        tk = type(node)
+        return node if tk is str or tk is int else self._keys.decode(node, own=True)
 
     def add_direct(self, live: Any, rec: TensorRecord) -> None:
         if self.in_place and rec.index not in self.plan.direct:
@@ -232,7 +246,7 @@ class _Checker:
                 if not isinstance(pair, list) or len(pair) != 2:
                     return
                 try:
-                    key = _Decoder(self.records, _no_tensor, step=self.step).decode(pair[0], own=True)
+                    key = self.key(pair[0])
                     sub = live.get(key) if isinstance(key, Hashable) else None
                 except (CorruptCheckpointError, TypeError):
                     return
@@ -259,7 +273,7 @@ class _Checker:
         for pair in pairs:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise CorruptCheckpointError(f"malformed state tree at {path}", step=self.step)
-            key = _Decoder(self.records, _no_tensor, step=self.step).decode(pair[0], own=True)
+            key = self.key(pair[0])
             saved_keys.append(key)
             sub = f"{path}[{key!r}]"
             if key not in cur:
@@ -292,7 +306,8 @@ class _Checker:
                 raise _mismatch(f"checkpoint holds a tensor but the state has {type(cur).__name__}", path, self.step)
             self.check_tensor(cur, rec, path)
             self.add_direct(cur, rec)
-            self.plan.actions.append(_copier(cur, node["$tensor"]))
+            if not _same_view(self.plan.direct.get(rec.index), cur):
+                self.plan.copies.append((cur, rec.index))
         elif isinstance(cur, torch.Tensor):
             raise _mismatch("state holds a tensor but the checkpoint does not", path, self.step)
         elif _is_tag(node, "$ndarray") and isinstance(cur, np.ndarray) and cur.flags.writeable:
@@ -434,17 +449,20 @@ def _dtensor_copier(dst: torch.Tensor, key: str) -> Callable[[_Decoder], Callabl
     return prepare
 
 
-def _copier(dst: torch.Tensor, i: int) -> Callable[[_Decoder], Callable[[], None]]:
-    def prepare(dec: _Decoder) -> Callable[[], None]:
-        src = dec.tensor(i)
+def _same_view(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (then copying one into the other is moot)."""
+    return (a is not None and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
 
-        def commit() -> None:
-            with torch.no_grad():
-                dst.copy_(src)
 
-        return commit
-
-    return prepare
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i: host tensors in one C++ call, others one by one."""
+    host = [(d, s) for d, s in zip(dsts, srcs) if d.is_cpu and s.is_cpu]
+    rest = [(d, s) for d, s in zip(dsts, srcs) if not (d.is_cpu and s.is_cpu)] if len(host) < len(dsts) else []
+    copy_tensors([d for d, _ in host], [s for _, s in host])
+    with torch.no_grad():
+        for d, s in rest:
+            d.copy_(s)
 
 
 def _np_copier(dst: np.ndarray, i: int) -> Callable[[_Decoder], Callable[[], None]]:

@@ -396,6 +396,12 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
         fut.result()
 
 
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i without autograd, in one C++ call when there are several (restore's
+    batch copy into live tensors uses it too)."""
+    _copy_tensors(dsts, srcs)
+
+
 def _copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for all i, in one C++ call when there are several (it releases the GIL)."""
     if not dsts:
@@ -426,5 +432,5 @@ def _copy_from_devices(pairs: list[tuple[torch.Tensor, torch.Tensor]], copy_stre
     stream.synchronize()
 
 
-__all__ = ["CopyProgress", "StagingFailed", "StagingPool", "Slot", "aligned_empty", "copy_into", "leaf_locations",
-           "destination_views"]
+__all__ = ["CopyProgress", "StagingFailed", "StagingPool", "Slot", "aligned_empty", "copy_into", "copy_tensors",
+           "leaf_locations", "destination_views"]

@@ -88,7 +88,7 @@ def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = N
             raise CorruptCheckpointError("rank manifest does not match manifest.json", step=step, tier=store.tier,
                                          path=where, bad_files=[ref.name])
         try:
-            rm = RankManifest.from_bytes(raw, step=step, path=where)
+            rm = RankManifest.from_bytes(raw, step=step, path=where, digest_verified=True)
         except CorruptCheckpointError as exc:
             exc.bad_files.append(ref.name)
             exc.tier = store.tier
