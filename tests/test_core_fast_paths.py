@@ -334,6 +334,35 @@ def test_manifest_encoding_is_the_dataclass_encoding() -> None:
     assert sm.to_bytes() == _seal(want)
 
 
+def test_manifest_bytes_are_the_checksum_then_the_canonical_json() -> None:
+    """On disk: ``{"checksum":"<hex>",`` and then the rest of the canonical JSON the checksum covers. Manifests in
+    the earlier layout (fields in writing order, checksum last) still parse."""
+    import json
+
+    import xxhash
+
+    from tierckpt.format.hashing import canonical_json
+    from tierckpt.format.manifest import FORMAT, RankRef, StepManifest
+
+    sm = StepManifest(step=3, world_size=1, save_id="abcd", ranks=(RankRef(0, "r0", 10, "00"),), total_bytes=7,
+                      metadata={"z": 1, "a": [2.5, None]})
+    raw = sm.to_bytes()
+    doc = json.loads(raw)
+    claimed = doc.pop("checksum")
+    canon = canonical_json(doc)
+    assert raw == b'{"checksum":"' + claimed.encode() + b'",' + canon[1:]
+    assert xxhash.xxh3_128_hexdigest(canon) == claimed
+    assert StepManifest.from_bytes(raw) == sm
+    old = {"step": 3, "world_size": 1, "save_id": "abcd",
+           "ranks": [{"rank": 0, "name": "r0", "size": 10, "checksum": "00"}], "total_bytes": 7,
+           "metadata": {"z": 1, "a": [2.5, None]}, "created": sm.created, "holds_ranks": None,
+           "library_version": sm.library_version, "format_version": 1, "hash_algorithm": "xxh3_128",
+           "format": FORMAT + ".step"}
+    old["checksum"] = xxhash.xxh3_128_hexdigest(canonical_json(old))
+    old_raw = json.dumps(old, separators=(",", ":")).encode()
+    assert old_raw != raw and StepManifest.from_bytes(old_raw) == sm
+
+
 # ------------------------------------------------------------------------------------------ no task outlives a call
 
 

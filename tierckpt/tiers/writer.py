@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import faults
+from .. import _gc, faults
 from ..errors import CheckpointError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
@@ -133,16 +133,36 @@ def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor
     """Write one rank's data files (in parallel) and then its rank manifest into ``folder``.
 
     With ``hash_executor``, files are hashed there while they are written (a writer thread then only writes, so the
-    disk never waits for a hash); without it, each writer hashes its chunks on the way.
+    disk never waits for a hash), and the manifest is built while the last bytes go to disk; without it, each writer
+    hashes its chunks on the way. Either way the rank manifest is written only after every data file is durable.
     """
     names = [layout.data_file_name(snap.rank, f.part, snap.save_id) for f in snap.files]
     inline = None if hash_executor is not None else snap.leaves
-    tasks = submit_all(executor, lambda fn: _write_file(store, join(folder, fn[0]), fn[1], inline),
-                       list(zip(names, snap.files)))
-    if hash_executor is not None:
-        tasks += submit_all(hash_executor, lambda f: _hash_file(f, snap.leaves, snap.files), snap.files)
-    done = results(tasks)
-    sums = done if hash_executor is None else done[len(names):]
+    writes = submit_all(executor, lambda fn: _write_file(store, join(folder, fn[0]), fn[1], inline),
+                        list(zip(names, snap.files)))
+    if hash_executor is None:
+        sums = results(writes)
+        with _gc.paused():  # tens of thousands of small objects for a large manifest, none in cycles (see _gc)
+            encoded = _encode_rank_manifest(snap, names, sums)
+    else:
+        # the hashes are ready long before the disk is done: build and encode the manifest meanwhile
+        try:
+            sums = results(submit_all(hash_executor, lambda f: _hash_file(f, snap.leaves, snap.files), snap.files))
+            with _gc.paused():
+                encoded = _encode_rank_manifest(snap, names, sums)
+        except BaseException:
+            wait(writes)  # no write may outlive this call: the slot is released after it
+            raise
+        results(writes)
+    rank_manifest, raw = encoded
+    rname = layout.rank_manifest_name(snap.rank, snap.save_id)
+    faults.point("before-manifest")
+    store.write_bytes(join(folder, rname), raw)  # only now: every data file is durable
+    return rank_manifest, raw, rname
+
+
+def _encode_rank_manifest(snap: RankSnapshot, names: list[str],
+                          sums: list[tuple[str, list[bytes]]]) -> tuple[RankManifest, bytes]:
     file_records = []
     tensor_sums: dict[int, str] = {}
     for f, name, (checksum, digests) in zip(snap.files, names, sums):
@@ -158,11 +178,7 @@ def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor
         step=snap.step, rank=snap.rank, world_size=snap.world_size, save_id=snap.save_id, files=tuple(file_records),
         tensors=tensors, tree=snap.tree, metadata=snap.metadata,
     )
-    raw = rank_manifest.to_bytes()
-    rname = layout.rank_manifest_name(snap.rank, snap.save_id)
-    faults.point("before-manifest")
-    store.write_bytes(join(folder, rname), raw)
-    return rank_manifest, raw, rname
+    return rank_manifest, rank_manifest.to_bytes()
 
 
 def persist(store: Store, snap: RankSnapshot, executor: Executor,
