@@ -389,3 +389,49 @@ def test_a_failed_file_task_waits_for_the_others_before_raising() -> None:
             run_all(pool, task, [0, 1])
         assert finished.is_set()
         assert run_all(pool, lambda i: i * 2, range(5)) == [0, 2, 4, 6, 8]
+
+
+# ------------------------------------------------------------------------------------ manifest tensor records
+
+
+def test_fast_tensor_record_checks_accept_exactly_what_the_field_checks_accept() -> None:
+    """``_well_formed_tensors`` (the fast path for 10,000 records) must never accept a record the field-by-field
+    checks reject; when it declines, those checks decide. Every field is mutated to each kind of bad value."""
+    import copy
+
+    from tierckpt.errors import CorruptCheckpointError as Corrupt
+    from tierckpt.format.manifest import FileRecord, _checked_tensors, _well_formed_tensors
+
+    files = [FileRecord("f0", 4096 + 64, "00", 4096), FileRecord("f1", 8192 + 6, "11", 8192)]
+    good = [
+        {"index": 0, "name": "a", "path": "state['a']", "dtype": "F32", "shape": [2, 4], "file": 0, "offset": 4096,
+         "nbytes": 32, "checksum": "ab", "kind": "torch"},
+        {"index": 1, "name": "b", "path": "state['b']", "dtype": "BF16", "shape": [], "file": 0, "offset": 4128,
+         "nbytes": 2, "checksum": "cd", "kind": "numpy", "shard": None},
+        {"index": 2, "name": "c", "path": "state['c']", "dtype": "U8", "shape": [0, 3], "file": 1, "offset": 8192,
+         "nbytes": 0, "checksum": "", "kind": "torch"},
+        {"index": 3, "name": "d", "path": "state['d']", "dtype": "I16", "shape": [3], "file": 1, "offset": 8192,
+         "nbytes": 6, "checksum": "ef", "kind": "torch"},
+    ]
+    assert _well_formed_tensors(good, files) == _checked_tensors(good, files, None, None)
+    bad_values: list[object] = [None, True, -1, 1.0, "1", [], {}, 2**63, 10**6]
+    cases = 0
+    for i in range(len(good)):
+        for key in [*good[i], "missing"]:
+            for value in bad_values + (["F64", "XX", "torch2", [2, 4, 1], [2, -4], [1] * 65, [2**48]]):
+                items = copy.deepcopy(good)
+                if key == "missing":
+                    items[i].pop("dtype")
+                else:
+                    items[i][key] = value
+                try:
+                    want = _checked_tensors(items, files, None, None)
+                except Corrupt:
+                    want = None
+                got = _well_formed_tensors(items, files)
+                cases += 1
+                if want is None:
+                    assert got is None, (i, key, value)
+                elif got is not None:
+                    assert got == want, (i, key, value)
+    assert cases > 500

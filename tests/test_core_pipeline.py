@@ -127,6 +127,43 @@ def test_copy_progress_wakes_waiters_and_reports_failure() -> None:
         progress.wait(0, 101)
 
 
+def test_hashing_waits_for_the_copy_and_for_the_caller_to_stop_waiting() -> None:
+    """Hashing competes with training for the CPU: it starts only once every byte is copied *and* save() has
+    released the progress (whatever happened), and gives up if the copy failed."""
+    progress = staging.CopyProgress([10, 20])
+    started = threading.Event()
+
+    def hasher() -> None:
+        progress.wait_released()
+        started.set()
+
+    t = threading.Thread(target=hasher)
+    t.start()
+    progress.release()  # released, but bytes are missing
+    time.sleep(0.05)
+    assert not started.is_set()
+    progress.advance(0, 10)
+    progress.advance(1, 19)
+    time.sleep(0.05)
+    assert not started.is_set()
+    progress.advance(1, 20)
+    t.join(5)
+    assert started.is_set()
+    other = staging.CopyProgress([10])
+    other.finish()  # every byte copied, but save() has not returned yet
+    waiting = threading.Thread(target=lambda: other.wait_released())
+    waiting.start()
+    time.sleep(0.05)
+    assert waiting.is_alive()
+    other.release()
+    waiting.join(5)
+    assert not waiting.is_alive()
+    failed = staging.CopyProgress([10])
+    failed.fail(RuntimeError("copy broke"))
+    with pytest.raises(staging.StagingFailed, match="copy broke"):
+        failed.wait_released()
+
+
 def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
     state = _state(20, MiB, seed=2)  # 80 MiB in 20 tensors of 4 MiB, two files of 40 MiB (at most 48 MiB each)

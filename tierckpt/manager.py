@@ -238,8 +238,11 @@ class CheckpointManager:
             rec.stall_s = handle.elapsed()
         else:
             self._track(self._persist.submit(self._persist_job, *job))
-            stage()
-            rec.stall_s = handle.staged.result()
+            try:
+                stage()
+                rec.stall_s = handle.staged.result()
+            finally:
+                progress.release()  # training no longer waits: hashing may use the CPU now
         self._last_step = step
         self._clock.saved(step)
         log.debug("save step %d: %s %.1f MiB in %.3f s", step, "queued" if self.options.lazy_snapshot else "staged",
@@ -248,10 +251,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ lazy snapshot
     def _lazy_stage(self, stage: Any, job: tuple) -> None:
-        handle = job[0]
+        handle, progress = job[0], job[-1]
         self._track(self._persist.submit(self._persist_job, *job))
         try:
             stage()
+            progress.release()
         except BaseException as exc:
             self._background_error(exc, f"snapshot of step {handle.step} failed")
             for f in (handle.staged, handle.persisted, handle.uploaded):
@@ -291,7 +295,8 @@ class CheckpointManager:
 
         try:
             sid = layout.new_save_id() if self._coord is None else _sharded.save_id(self._coord.topology.run_id, step)
-            snap = writer.RankSnapshot(step, self.rank, self.world_size, sid, files, leaves_meta, tree_json, metadata)
+            snap = writer.RankSnapshot(step, self.rank, self.world_size, sid, files, leaves_meta, tree_json, metadata,
+                                       progress.wait_released)
             if self._coord is None:
                 writer.persist(self.local, snap, self._io, self._hash)
             else:

@@ -70,13 +70,15 @@ class CopyProgress:
     """How many leading bytes of each file image in a slot hold this snapshot's data (pipelined copy and write).
 
     The copier calls :meth:`advance` per group and :meth:`finish` at the end, or :meth:`fail`; writers call
-    :meth:`wait` before reading a range. Watermarks only rise.
+    :meth:`wait` before reading a range. Watermarks only rise. The caller of ``save()`` calls :meth:`release` once it
+    no longer waits (whatever happened); hashing waits for that (:meth:`wait_released`).
     """
 
     def __init__(self, file_sizes: list[int]) -> None:
         self._sizes = list(file_sizes)
         self._done = [0] * len(file_sizes)
         self._cond = threading.Condition()
+        self._released = False
         self.failed: BaseException | None = None
 
     def advance(self, part: int, end: int) -> None:
@@ -89,6 +91,20 @@ class CopyProgress:
         with self._cond:
             self._done = list(self._sizes)
             self._cond.notify_all()
+
+    def release(self) -> None:
+        """The caller no longer waits for this copy: work that would only compete with it for the CPU may start."""
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
+    def wait_released(self) -> None:
+        """Block until every byte is copied and :meth:`release` was called; raise if the copy failed."""
+        with self._cond:
+            while not (self._released and self._done == self._sizes) and self.failed is None:
+                self._cond.wait()
+            if self.failed is not None:
+                raise StagingFailed(f"the snapshot's copy into host memory failed: {self.failed}") from self.failed
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:

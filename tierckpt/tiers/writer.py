@@ -6,8 +6,9 @@ Order of operations for one step (the commit protocol of :mod:`tierckpt.storage.
 2. every data file is written from its staging buffer by a pool of threads, in large chunks, then fsync-ed on close;
    a chunk is written only once the snapshot's copy has reached it (``StagedFile.ready``), so writing starts while
    the copy goes on. Each file is hashed from the same buffer (one pass over memory; xxh3 releases the GIL) on
-   separate hashing threads once the copy has finished (so hashing never slows the copy, nor the disk), or by the
-   writer right before each chunk is written when no hashing threads are given;
+   separate hashing threads once the copy has finished and ``save()`` has returned (``RankSnapshot.hash_gate``: so
+   hashing never slows the copy training waits on, nor the disk), or by the writer right before each chunk is
+   written when no hashing threads are given;
 3. the rank manifest (with every file's and tensor's checksum) is written and fsync-ed;
 4. ``manifest.json`` is written and fsync-ed, LAST;
 5. ``protocol.commit`` makes the step visible (rename + fsync of the root on POSIX).
@@ -78,9 +79,11 @@ def _segment_ends(f: StagedFile, leaves: list[LeafMeta]) -> list[int]:
     return ends
 
 
-def _hash_file(f: StagedFile, leaves: list[LeafMeta], snapshot: list[StagedFile]) -> tuple[str, list[bytes]]:
+def _hash_file(f: StagedFile, leaves: list[LeafMeta], snap: RankSnapshot) -> tuple[str, list[bytes]]:
     """The file's checksum and its segments' digests (header, then each tensor), from the staging buffer."""
-    for g in snapshot:  # start once the whole snapshot is in memory: hashing must not slow the copy training waits on
+    if snap.hash_gate is not None:
+        snap.hash_gate()
+    for g in snap.files:  # every byte in memory (what the gate implies)
         if g.ready is not None:
             g.ready(len(g.data))
     seg = hashing.SegmentHasher(_segment_ends(f, leaves))
@@ -126,6 +129,10 @@ class RankSnapshot:
     leaves: list[LeafMeta]
     tree: Any
     metadata: Any
+    #: None when the bytes are complete; else blocks until the whole snapshot is copied in and the caller no longer
+    #: waits for that copy (raises if it failed): hashing starts then, so that it never competes with training for
+    #: the CPU while training is blocked
+    hash_gate: Callable[[], None] | None = None
 
 
 def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor,
@@ -147,7 +154,7 @@ def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor
     else:
         # the hashes are ready long before the disk is done: build and encode the manifest meanwhile
         try:
-            sums = results(submit_all(hash_executor, lambda f: _hash_file(f, snap.leaves, snap.files), snap.files))
+            sums = results(submit_all(hash_executor, lambda f: _hash_file(f, snap.leaves, snap), snap.files))
             with _gc.paused():
                 encoded = _encode_rank_manifest(snap, names, sums)
         except BaseException:
