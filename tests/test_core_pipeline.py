@@ -271,3 +271,33 @@ def test_hashing_threads_agree_with_hashing_in_the_writer(tmp_path: Path, monkey
     pooled, inlined = _manifest_sums(tmp_path / "pool", 1), _manifest_sums(tmp_path / "inline", 1)
     assert len(pooled[0]) >= 4 and all(pooled[0]) and all(pooled[1])
     assert pooled == inlined
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_save_that_fails_before_its_job_starts_gives_the_slot_back(tmp_path: Path, lazy: bool) -> None:
+    """With one staging slot, a slot kept by a save that raised before a background job took it over would make
+    every later save wait forever."""
+    state = _state(4, 1000, seed=5)
+    with CheckpointManager(tmp_path / "c", lazy_snapshot=lazy) as mgr:
+        mgr.save(1, state).persisted.result(60)
+        executor = mgr._snapshotter if lazy else mgr._persist
+        real = executor.submit
+        calls = [0]
+
+        def refuse_once(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("cannot schedule new futures")
+            return real(*a, **k)
+
+        executor.submit = refuse_once  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="cannot schedule"):
+            mgr.save(2, state)
+        want = _clone(state)
+        done = threading.Event()
+        threading.Thread(target=lambda: (mgr.save(3, state).persisted.result(60), done.set()), daemon=True).start()
+        assert done.wait(60), "the slot of the save that failed was never given back"
+        executor.submit = real  # type: ignore[method-assign]
+        mgr.wait(60)
+        assert [s.step for s in mgr.steps()] == [1, 3]
+        _assert_restores(mgr, want, 3)

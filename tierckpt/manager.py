@@ -204,6 +204,9 @@ class CheckpointManager:
             self._locations = staging.leaf_locations(self._plan)
         plan, locations = self._plan, self._locations
         plan.cache["flatten"] = flat.memo
+        leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
+        if self.options.lazy_snapshot:
+            self._watch_optimizers(state)
         slot = self._pool.acquire(plan.buffer_bytes)
         values = flat.values
         # the persist job starts writing each file while the rest is still being copied (pipelined copy and write)
@@ -223,21 +226,25 @@ class CheckpointManager:
             handle.staged.set_result(handle.elapsed())  # before the persist job can report this step durable
             progress.finish()
 
-        leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
-        files = [writer.StagedFile(f.part, view, f.data_start, order, progress.waiter(f.part))
-                 for f, view, order in zip(plan.files, slot.file_views(plan), file_leaves)]
         rec = handle._record
-        rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
-        job = (handle, slot, files, leaves_meta, flat.tree, metadata, progress)
+        try:  # until a background job owns the slot, a failure here must give it back
+            files = [writer.StagedFile(f.part, view, f.data_start, order, progress.waiter(f.part))
+                     for f, view, order in zip(plan.files, slot.file_views(plan), file_leaves)]
+            rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
+            job = (handle, slot, files, leaves_meta, flat.tree, metadata, progress)
+            owner = self._snapshotter.submit(self._lazy_stage, stage, job) if self.options.lazy_snapshot \
+                else self._persist.submit(self._persist_job, *job)
+        except BaseException:
+            values.clear()
+            self._pool.release(slot)
+            raise
         if self.options.lazy_snapshot:
-            self._watch_optimizers(state)
-            fut = self._snapshotter.submit(self._lazy_stage, stage, job)
-            self._lazy_pending.add(fut)
-            fut.add_done_callback(self._lazy_pending.discard)
-            self._track(fut)
+            self._lazy_pending.add(owner)
+            owner.add_done_callback(self._lazy_pending.discard)
+            self._track(owner)
             rec.stall_s = handle.elapsed()
         else:
-            self._track(self._persist.submit(self._persist_job, *job))
+            self._track(owner)
             try:
                 stage()
                 rec.stall_s = handle.staged.result()
