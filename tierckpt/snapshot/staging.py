@@ -100,11 +100,7 @@ class CopyProgress:
 
     def wait_released(self) -> None:
         """Block until every byte is copied and :meth:`release` was called; raise if the copy failed."""
-        with self._cond:
-            while not (self._released and self._done == self._sizes) and self.failed is None:
-                self._cond.wait()
-            if self.failed is not None:
-                raise StagingFailed(f"the snapshot's copy into host memory failed: {self.failed}") from self.failed
+        self._wait_until(lambda: self._released and self._done == self._sizes)
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -114,8 +110,11 @@ class CopyProgress:
     def wait(self, part: int, end: int) -> None:
         """Block until bytes ``[0, end)`` of file image ``part`` are copied; raise :class:`StagingFailed` if the copy
         failed."""
+        self._wait_until(lambda: self._done[part] >= end)
+
+    def _wait_until(self, reached: Callable[[], bool]) -> None:
         with self._cond:
-            while self._done[part] < end and self.failed is None:
+            while not reached() and self.failed is None:
                 self._cond.wait()
             if self.failed is not None:
                 raise StagingFailed(f"the snapshot's copy into host memory failed: {self.failed}") from self.failed
@@ -255,7 +254,7 @@ class _CopySchedule:
 class _SlotLayout:
     """Typed views into a slot for every leaf of one plan, and the copy derived from them (built once per plan)."""
 
-    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules", "file_views")
+    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules", "pipelines", "file_views")
 
     def __init__(self, plan: SnapshotPlan, kinds: list[str], views: list[torch.Tensor | np.ndarray]) -> None:
         self.plan, self.kinds, self.views = plan, kinds, views
@@ -265,7 +264,8 @@ class _SlotLayout:
         self.torch_idx: list[int] | None = None if len(torch_idx) == len(kinds) else torch_idx
         self.numpy_idx = [i for i, k in enumerate(kinds) if k == "numpy" and sig[i].nbytes]
         self.dsts: list[torch.Tensor] = [views[i] for i in torch_idx]  # type: ignore[misc]
-        self.schedules: dict[int, Any] = {}
+        self.schedules: dict[int, _CopySchedule] = {}
+        self.pipelines: dict[int, list[tuple[int, int, list[torch.Tensor], list[int]]]] = {}
         self.file_views: list[memoryview] | None = None
 
     def pipeline(self, waves: int) -> list[tuple[int, int, list[torch.Tensor], list[int]]]:
@@ -275,10 +275,9 @@ class _SlotLayout:
         (the writer threads take them in that order) with their groups interleaved, so every busy writer has its
         next bytes early. Leaves copied before the groups (arrays) and empty ones are covered but not listed.
         """
-        key = -waves  # schedules are keyed by positive thread counts
-        cached = self.schedules.get(key)
+        cached = self.pipelines.get(waves)
         if cached is not None:
-            return cached  # type: ignore[return-value]
+            return cached
         pos_of = {leaf: p for p, leaf in enumerate(self.torch_idx)} if self.torch_idx is not None else None
         per_file: list[list[tuple[int, int, list[torch.Tensor], list[int]]]] = []
         for f in self.plan.files:
@@ -302,7 +301,7 @@ class _SlotLayout:
             wave = per_file[w : w + max(1, waves)]
             for k in range(max(len(g) for g in wave)):
                 order.extend(g[k] for g in wave if k < len(g))
-        self.schedules[key] = order  # type: ignore[assignment]
+        self.pipelines[waves] = order
         return order
 
     def schedule(self, threads: int) -> _CopySchedule:

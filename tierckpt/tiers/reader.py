@@ -206,7 +206,8 @@ class _Hashing:
 
     def finish(self) -> None:
         """Wait until every piece fed is hashed (also on error: the memory may be released right after)."""
-        if self._queue is not None and self._task is not None:
+        if self._task is not None:
+            assert self._queue is not None
             self._queue.put(None)
             self._task.result()
 

@@ -90,8 +90,13 @@ def _hash_file(f: StagedFile, leaves: list[LeafMeta], snap: RankSnapshot) -> tup
     data = f.data
     for start in range(0, len(data), WRITE_CHUNK):
         seg.feed(data[start : start + WRITE_CHUNK])
+    return _sums(seg, f"part {f.part}")
+
+
+def _sums(seg: hashing.SegmentHasher, what: str) -> tuple[str, list[bytes]]:
+    """A fully fed file's checksum and its segments' digests."""
     if not seg.done():
-        raise CheckpointError("internal error: a file's segments do not cover it")
+        raise CheckpointError(f"internal error: segments of {what} do not cover the file")
     return seg.file_checksum(), seg.digests
 
 
@@ -110,11 +115,7 @@ def _write_file(store: Store, rel: str, f: StagedFile, leaves: list[LeafMeta] | 
             w.write(chunk)
             if start == 0:
                 faults.point("mid-file")
-    if seg is None:
-        return None
-    if not seg.done():
-        raise CheckpointError(f"internal error: segments of {rel} do not cover the file")
-    return seg.file_checksum(), seg.digests
+    return None if seg is None else _sums(seg, rel)
 
 
 @dataclass(frozen=True)
