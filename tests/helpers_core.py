@@ -203,6 +203,30 @@ def clone_tree(obj: Any) -> Any:
     return obj
 
 
+def zeros_like_tree(obj: Any) -> Any:
+    """A tree of dicts shaped like ``obj`` with every tensor replaced by a fresh zero tensor (contiguous, same
+    dtype and shape) and every other value kept: a target for a restore to fill."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros(obj.shape, dtype=obj.dtype)
+    if isinstance(obj, dict):
+        return {k: zeros_like_tree(v) for k, v in obj.items()}
+    return obj
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int,
+                input_shape: tuple[int, ...], sched: Any = None) -> None:
+    """``steps`` deterministic optimizer steps on random inputs of ``input_shape`` (then ``sched.step()`` if given)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(*input_shape, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
 # ------------------------------------------------------------------------------------------- SIGKILL test states
 
 

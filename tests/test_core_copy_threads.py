@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal
+from helpers_core import assert_tensor_equal, zeros_like_tree
 
 from tierckpt import CheckpointManager
 from tierckpt.snapshot import staging
@@ -72,10 +72,6 @@ def copy_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return calls
 
 
-def _zeros_like(state: dict) -> dict:
-    return {k: _zeros_like(v) if isinstance(v, dict) else torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
-
-
 def _assert_state_equal(got: dict, want: dict, where: str = "state") -> None:
     assert list(got) == list(want), where
     for k, v in want.items():
@@ -114,7 +110,7 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
             workers = [(name, n) for name, n in copy_threads if name.startswith("tierckpt-copy")]
             assert len(workers) >= 2, f"small tensors were not split over copy threads: {copy_threads}"
             assert sum(n for _, n in copy_threads) == len(small) + 2 - 3, copy_threads  # all but the 3 empty ones
-            fresh = {"small": _zeros_like(small), "large": _zeros_like(state["large"]), "step": 0}
+            fresh = {"small": zeros_like_tree(small), "large": zeros_like_tree(state["large"]), "step": 0}
             assert mgr.restore(fresh) == step
             _assert_state_equal(fresh["small"], want["small"], "small")
             _assert_state_equal(fresh["large"], want["large"], "large")
@@ -143,7 +139,7 @@ def test_replaced_tensor_is_copied_from_the_new_object(tmp_path: Path, two_torch
         want = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
         mgr.save(2, state)
         mgr.wait()
-        fresh = {k: _zeros_like(v) for k, v in state.items()}
+        fresh = {k: zeros_like_tree(v) for k, v in state.items()}
         assert mgr.restore(fresh) == 2
         _assert_state_equal(fresh, want)
         assert not torch.equal(fresh["model"]["layer.10.w"], kept_alive)
@@ -170,7 +166,7 @@ def test_changed_dtype_shape_and_keys_make_a_new_plan(tmp_path: Path, two_torch_
             mgr.wait()
             assert mgr._plan is not plans[-1], f"a changed {what} reused the old plan"
             plans.append(mgr._plan)
-            fresh = {"model": _zeros_like(state["model"])}
+            fresh = {"model": zeros_like_tree(state["model"])}
             assert mgr.restore(fresh) == step
             _assert_state_equal(fresh["model"], want, what)
         assert mgr.records()[-1].tensors == len(state["model"]) - 1  # the alias is one tensor
@@ -210,6 +206,6 @@ def test_a_failing_copy_thread_fails_the_save_and_frees_the_slot(tmp_path: Path,
         want = {n: t.clone() for n, t in state["model"].items()}
         mgr.save(3, state)  # the slot came back
         mgr.wait()
-        fresh = {"model": _zeros_like(state["model"])}
+        fresh = {"model": zeros_like_tree(state["model"])}
         assert mgr.restore(fresh) == 3
         _assert_state_equal(fresh["model"], want)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, data_files, flip_byte, step_path, tensor_bytes
+from helpers_core import assert_tensor_equal, data_files, flip_byte, step_path, tensor_bytes, train_steps
 
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.snapshot.staging import aligned_empty
@@ -116,13 +116,7 @@ class _Net(torch.nn.Module):
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(16, 64, generator=g)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_steps(model, opt, steps, seed, (16, 64))
 
 
 def _job(seed: int) -> dict:

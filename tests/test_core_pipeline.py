@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, rank_manifests, step_path
+from helpers_core import assert_tree_equal, clone_tree, leftovers, rank_manifests, step_path, zeros_like_tree
 
 from tierckpt import CheckpointManager
 from tierckpt.format.plan import make_plan
@@ -37,20 +37,11 @@ def _state(n: int, numel: int, seed: int) -> dict[str, Any]:
     return {"model": model, "step": 3}
 
 
-def _clone(state: dict[str, Any]) -> dict[str, Any]:
-    return {"model": {k: v.clone() for k, v in state["model"].items()}, "step": state["step"]}
-
-
-def _zeros(state: dict[str, Any]) -> dict[str, Any]:
-    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
-
-
 def _assert_restores(mgr: CheckpointManager, want: dict[str, Any], step: int) -> None:
-    fresh = _zeros(want)
+    fresh = zeros_like_tree(want)
+    fresh["step"] = 0
     assert mgr.restore(fresh) == step
-    for k, v in want["model"].items():
-        assert_tensor_equal(fresh["model"][k], v, k)
-    assert fresh["step"] == want["step"]
+    assert_tree_equal(fresh, want)
 
 
 class _CheckedProgress(staging.CopyProgress):
@@ -182,7 +173,7 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
         real_write(self, data)
 
     with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2) as mgr:
-        want = _clone(state)
+        want = clone_tree(state)
         monkeypatch.setattr(staging, "_copy_tensors", slow_copy)
         monkeypatch.setattr(local_store._LocalWriteStream, "write", spy_write)
         handle = mgr.save(1, state)
@@ -210,10 +201,6 @@ def _failing_copy(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> list[int]:
     return calls
 
 
-def _leftovers(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp") or p.name.startswith("tmp"))
-
-
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_a_copy_failing_mid_way_is_reported_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
@@ -236,14 +223,15 @@ def test_a_copy_failing_mid_way_is_reported_once(tmp_path: Path, monkeypatch: py
         assert calls[0] == 4
         monkeypatch.undo()
         mgr.wait(60)  # reported once: nothing left to raise
-        want = _clone(state)
+        want = clone_tree(state)
         done = threading.Event()
         threading.Thread(target=lambda: (mgr.save(3, state).persisted.result(60), done.set())).start()
         assert done.wait(60), "the failed save's staging slot was never released"
         mgr.wait(60)
         assert [s.step for s in mgr.steps()] == [1, 3]
         assert not step_path(root, 2).exists()
-        assert _leftovers(root) == []
+        assert leftovers(root) == []
+        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [step_path(root, 1).name, step_path(root, 3).name]
         _assert_restores(mgr, want, 3)
 
 
@@ -293,7 +281,7 @@ def test_a_save_that_fails_before_its_job_starts_gives_the_slot_back(tmp_path: P
         executor.submit = refuse_once  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="cannot schedule"):
             mgr.save(2, state)
-        want = _clone(state)
+        want = clone_tree(state)
         done = threading.Event()
         threading.Thread(target=lambda: (mgr.save(3, state).persisted.result(60), done.set()), daemon=True).start()
         assert done.wait(60), "the slot of the save that failed was never given back"

@@ -17,6 +17,7 @@ from helpers_core import (
     assert_tree_equal,
     clone_tree,
     module_snapshot,
+    train_steps,
 )
 from torch import nn
 
@@ -39,14 +40,7 @@ class Tied(nn.Module):
 
 
 def _train_a_bit(model: nn.Module, opt: torch.optim.Optimizer, sched, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(4, 6, generator=g)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+    train_steps(model, opt, steps, seed, (4, 6), sched)
     model.counter += steps
 
 
