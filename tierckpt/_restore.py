@@ -28,7 +28,7 @@ from .snapshot.dtensor import assemble, target_box, to_live_layout
 from .snapshot.load import plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
-from .tiers.reader import load_files, read_ranks, read_step
+from .tiers.reader import Prefetch, load_files, read_ranks, read_step
 from .tiers.verify import list_root
 
 if TYPE_CHECKING:
@@ -119,13 +119,17 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
     src = mgr.rank if mgr.rank < manifest.world_size else 0
-    rms = read_ranks(store, manifest, [src])
-    if not rms:
-        raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
-    rm = rms[0]
     cache = store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1
-    # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
-    plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=in_place and not cache)
+    prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads)
+    try:
+        rms = read_ranks(store, manifest, [src])
+        if not rms:
+            raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
+        rm = rms[0]
+        # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
+        plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=in_place and not cache)
+    finally:
+        prefetch.stop()
     if rm.world_size != mgr.world_size and not plan.dtensor_targets:
         raise StateMismatchError(
             f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed tensors "

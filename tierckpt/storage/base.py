@@ -8,6 +8,7 @@ on those flags, never on the store's type:
   renamed into place; otherwise (object stores) they are written in place and ``manifest.json`` written last commits.
 - ``local_path``: the root is a local POSIX path, so callers may use OS calls (``preadv``, ``O_DIRECT``) directly.
 - ``parallel_writes``: concurrent writers to different files are worth it.
+- ``prefetch_reads``: :meth:`Store.prefetch` really starts reading (the OS page cache); elsewhere it is a no-op.
 
 Writing a step (see :mod:`.commit` for the exact order): ``makedirs`` → per data file ``open_write`` / ``write`` /
 ``close`` → ``write_bytes`` of each rank manifest → ``write_bytes`` of ``manifest.json`` → commit protocol.
@@ -69,6 +70,7 @@ class Store(abc.ABC):
     atomic_rename: bool = False
     local_path: str | None = None
     parallel_writes: bool = True
+    prefetch_reads: bool = False
 
     # --- listing and reading -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -100,6 +102,12 @@ class Store(abc.ABC):
             if n < buf.nbytes:
                 break
         return total
+
+    def prefetch(self, rel: str, offset: int, length: int) -> None:
+        """A hint that bytes ``[offset, offset + length)`` of ``rel`` will be read soon: stores that can
+        (``prefetch_reads``) start reading them in the background and return at once. Never raises for a missing
+        file or a range past its end; correctness never depends on it."""
+        join(rel)  # the same path rules as every other call
 
     @abc.abstractmethod
     def open_read(self, rel: str) -> BinaryIO:

@@ -6,7 +6,8 @@ known, so a full disk fails at the start of a file rather than in the middle.
 
 Direct I/O (``direct_io=True``, the local tier's default): large files are written with ``O_DIRECT`` where the file
 system accepts it, so checkpoint bytes go from the staging buffer to the disk without a copy through the page cache
-(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Reads stay buffered. Only aligned
+(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Reads stay buffered, and :meth:`LocalStore.prefetch` queues reads into the
+page cache (``posix_fadvise(WILLNEED)``) so a restore keeps the disk busy while it parses manifests. Only aligned
 pieces go direct: a write whose buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the
 tail of a file, a ``bytes`` object) switches that file descriptor back to buffered I/O, which the kernel keeps
 coherent with the direct part. The ``fsync`` before ``close()`` returns is the same either way.
@@ -179,6 +180,7 @@ class LocalStore(Store):
 
     atomic_rename = True
     parallel_writes = True
+    prefetch_reads = hasattr(os, "posix_fadvise")
 
     def __init__(self, root: str | os.PathLike[str], *, tier: str = "local", create: bool = True,
                  direct_io: bool = False) -> None:
@@ -227,6 +229,21 @@ class LocalStore(Store):
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             return preadv_into(fd, offset, bufs)
+        finally:
+            os.close(fd)
+
+    def prefetch(self, rel: str, offset: int, length: int) -> None:
+        """``posix_fadvise(WILLNEED)``: the kernel queues the reads into the page cache and returns."""
+        if not self.prefetch_reads:
+            return
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
         finally:
             os.close(fd)
 
