@@ -137,7 +137,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     holder: dict[str, Any] = {}
 
     def alloc(n: int) -> memoryview:
-        slot = mgr._pool.acquire(n, huge_pages=True)
+        slot = mgr._pool.acquire(n)
         slot._headers_for = None  # the checkpoint's bytes will overwrite the headers a save left there
         holder["slot"] = slot
         assert slot.buffer is not None

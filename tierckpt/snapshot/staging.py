@@ -8,8 +8,7 @@ the previous is written, at twice the memory.
 
 Buffers are allocated on first use, grown only when a state grows, and otherwise reused forever, so a steady-state
 save allocates nothing large. They are pinned (page-locked) when CUDA is available, so device-to-host copies run at
-full PCIe/NVLink bandwidth on a dedicated copy stream without blocking the training stream. Unpinned buffers that a
-restore allocates use transparent huge pages (:func:`aligned_empty` says why only those).
+full PCIe/NVLink bandwidth on a dedicated copy stream without blocking the training stream.
 
 Copying host tensors: one ``torch._foreach_copy_`` call copies a list of tensors in C++ (releasing the GIL), and
 torch splits each large copy over its own threads. Thousands of small tensors are dominated by per-tensor cost
@@ -26,11 +25,7 @@ with an error, and the slot is released by the writer's job (never while it may 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import mmap
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,29 +44,10 @@ from .tree import FlatState
 
 log = logging.getLogger(__name__)
 
-
-def _load_madvise() -> tuple[Any, int | None]:
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None, None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None, None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn, mmap.MADV_HUGEPAGE
-
-
-_libc_madvise, _MADV_HUGEPAGE = _load_madvise()
-
 #: Grow buffers in steps of this many bytes so that a state growing a little does not reallocate every time.
 GROWTH_QUANTUM = 64 << 20
 #: Buffers start on this boundary (a page; what ``O_DIRECT`` needs), and so does every file image in them.
 BUFFER_ALIGN = 4096
-#: Unpinned buffers from this size on may get transparent huge pages (:func:`aligned_empty`); pinned ones are
-#: page-locked by the CUDA driver, which decides their pages itself.
-HUGE_PAGE_MIN_BYTES = 32 << 20
-HUGE_PAGE_BYTES = 2 << 20
 #: Host tensors below this size are "small": their copy costs more per tensor than per byte.
 SMALL_TENSOR_BYTES = 1 << 20
 #: Small tensors are split over threads only when there are more of them than this (below, the hand-off to
@@ -194,9 +170,7 @@ class StagingPool:
         self.allocations = 0  # how many times a buffer was (re)allocated; steady state keeps this constant
         self._copy_executor: ThreadPoolExecutor | None = None
 
-    def acquire(self, nbytes: int, *, timeout: float | None = None, huge_pages: bool = False) -> Slot:
-        """A free slot of at least ``nbytes``, waiting while none is free. ``huge_pages``: a buffer allocated now
-        is advised to use transparent huge pages (:func:`aligned_empty`); restore asks for it, see there."""
+    def acquire(self, nbytes: int, *, timeout: float | None = None) -> Slot:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._free:
@@ -208,7 +182,7 @@ class StagingPool:
             self._free.sort(key=lambda s: (s.capacity < nbytes, s.capacity))
             slot = self._free.pop(0)
         if slot.capacity < nbytes:
-            self._allocate(slot, nbytes, huge_pages=huge_pages)
+            self._allocate(slot, nbytes)
         return slot
 
     def release(self, slot: Slot) -> None:
@@ -217,13 +191,13 @@ class StagingPool:
                 self._free.append(slot)
             self._cond.notify()
 
-    def _allocate(self, slot: Slot, nbytes: int, *, huge_pages: bool = False) -> None:
+    def _allocate(self, slot: Slot, nbytes: int) -> None:
         size = -(-nbytes // GROWTH_QUANTUM) * GROWTH_QUANTUM if nbytes > GROWTH_QUANTUM else nbytes
         slot.buffer = None  # drop the old one first: peak memory is the new size, not old + new
         slot._views_for, slot._views, slot._headers_for = None, [], None
         t0 = time.perf_counter()
         try:
-            slot.buffer = aligned_empty(size, pin=self.pin, huge_pages=huge_pages)
+            slot.buffer = aligned_empty(size, pin=self.pin)
         except RuntimeError as exc:
             raise CheckpointError(f"cannot allocate a {size}-byte staging buffer: {exc}") from exc
         self.allocations += 1
@@ -246,37 +220,14 @@ class StagingPool:
             executor.shutdown(wait=True)
 
 
-def aligned_empty(size: int, *, pin: bool, huge_pages: bool = False) -> torch.Tensor:
+def aligned_empty(size: int, *, pin: bool) -> torch.Tensor:
     """A 1-D uint8 tensor of ``size`` bytes whose first byte sits on a :data:`BUFFER_ALIGN` boundary.
 
-    Allocators align large blocks to 64 bytes or to a page plus a header; a spare page and a view fix that.
-
-    ``huge_pages``: a large unpinned buffer starts on a huge-page boundary and is advised to use transparent huge
-    pages (:func:`_advise_huge_pages`). Restore asks for it: its reads fill a fresh buffer inside the kernel, where
-    each 4 KiB page fault costs most, and a 2 GiB restore in a fresh process took 2.1-2.8 s instead of 3.0-3.7 s
-    (5 runs of 5 faster). Saves do not: their first copy into fresh huge pages was slower on the development VM
-    (1.4-1.8 s instead of 0.75 s for 2 GiB, 4 runs of 5), an effect of the first huge-page allocation in a process
-    there. A slot a restore allocated keeps its huge pages for the saves that reuse it.
+    Allocators align large blocks to 64 bytes or to a page plus a header; one spare page and a view fix that.
     """
-    huge = huge_pages and not pin and size >= HUGE_PAGE_MIN_BYTES and _MADV_HUGEPAGE is not None
-    align = HUGE_PAGE_BYTES if huge else BUFFER_ALIGN
-    raw = torch.empty(size + align, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % align
-    out = raw[skip : skip + size]
-    if huge:
-        _advise_huge_pages(out)
-    return out
-
-
-def _advise_huge_pages(buf: torch.Tensor) -> bool:
-    """``madvise(MADV_HUGEPAGE)`` on a fresh, untouched buffer: with transparent huge pages in ``madvise`` mode
-    (many distributions' default) its first touch then faults 2 MiB pages instead of 4 KiB ones, which on a
-    multi-GiB staging slot is hundreds of thousands fewer page faults (a 1 GiB first touch went from 0.5-1.3 s to
-    0.2-0.3 s here) and fewer TLB misses in every copy after. A hint: any failure leaves ordinary pages."""
-    try:
-        return _libc_madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError, ctypes.ArgumentError):
-        return False
+    raw = torch.empty(size + BUFFER_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % BUFFER_ALIGN
+    return raw[skip : skip + size]
 
 
 def leaf_locations(plan: SnapshotPlan) -> list[tuple[int, int]]:
