@@ -6,11 +6,11 @@ known, so a full disk fails at the start of a file rather than in the middle.
 
 Direct I/O (``direct_io=True``, the local tier's default): large files are written with ``O_DIRECT`` where the file
 system accepts it, so checkpoint bytes go from the staging buffer to the disk without a copy through the page cache
-(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Reads stay buffered, and :meth:`LocalStore.prefetch` queues reads into the
-page cache (``posix_fadvise(WILLNEED)``) so a restore keeps the disk busy while it parses manifests. Only aligned
-pieces go direct: a write whose buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the
-tail of a file, a ``bytes`` object) switches that file descriptor back to buffered I/O, which the kernel keeps
-coherent with the direct part. The ``fsync`` before ``close()`` returns is the same either way.
+(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Reads stay buffered, and
+:meth:`LocalStore.prefetch` queues reads into the page cache (``posix_fadvise(WILLNEED)``), so that an in-place
+restore keeps the disk busy while it parses manifests and plans. Only aligned pieces go direct: a write whose
+buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the tail of a file, a ``bytes``
+object) switches that file descriptor back to buffered I/O, which the kernel keeps coherent with the direct part. The ``fsync`` before ``close()`` returns is the same either way.
 
 Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it (Linux >= 3.15,
 glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at a complete
