@@ -10,7 +10,8 @@ system accepts it, so checkpoint bytes go from the staging buffer to the disk wi
 :meth:`LocalStore.prefetch` queues reads into the page cache (``posix_fadvise(WILLNEED)``), so that an in-place
 restore keeps the disk busy while it parses manifests and plans. Only aligned pieces go direct: a write whose
 buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the tail of a file, a ``bytes``
-object) switches that file descriptor back to buffered I/O, which the kernel keeps coherent with the direct part. The ``fsync`` before ``close()`` returns is the same either way.
+object) switches that file descriptor back to buffered I/O, which the kernel keeps coherent with the direct part.
+The ``fsync`` before ``close()`` returns is the same either way.
 
 Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it (Linux >= 3.15,
 glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at a complete
