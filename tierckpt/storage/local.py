@@ -235,10 +235,11 @@ class LocalStore(Store):
 
     def prefetch(self, rel: str, offset: int, length: int) -> None:
         """``posix_fadvise(WILLNEED)``: the kernel queues the reads into the page cache and returns."""
+        path = self.path(rel)  # checks the path whether or not this platform prefetches
         if not self.prefetch_reads:
             return
         try:
-            fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return
         try:

@@ -135,7 +135,8 @@ class Prefetch:
                     store.prefetch(join(folder, ref.name), 0, ref.size)
             names = layout.data_files_of(store.list(folder), rank, manifest.save_id)
             for w in range(0, len(names), width):
-                wave = [(join(folder, n), store.size(join(folder, n))) for n in names[w : w + width]]
+                rels = [join(folder, n) for n in names[w : w + width]]
+                wave = [(rel, store.size(rel)) for rel in rels]
                 for offset in range(0, max((size for _, size in wave), default=0), PREFETCH_CHUNK):
                     for rel, size in wave:
                         if self._stopped.is_set() or budget <= 0:
