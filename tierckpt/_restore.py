@@ -2,7 +2,8 @@
 
 A step is tried in each tier that lists it as committed; a copy that fails verification is logged (naming the files)
 and the next copy, then the next older step, is tried. State mismatches (keys, shapes, dtypes) are not corruption:
-they are raised at once, before any byte is read, and the state is left untouched.
+they are raised before the state changes (a default restore, whose reads into its staging buffer start while the
+state is checked, stops them first), and the state is left untouched.
 
 By default every byte is read into a staging slot and verified before the state changes, so a restore that fails
 leaves the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into the tensors (no state-sized
@@ -28,7 +29,7 @@ from .snapshot.dtensor import assemble, target_box, to_live_layout
 from .snapshot.load import plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
-from .tiers.reader import Prefetch, load_files, read_ranks, read_step
+from .tiers.reader import PendingLoad, Prefetch, read_ranks, read_step, start_load
 from .tiers.verify import list_root
 
 if TYPE_CHECKING:
@@ -120,23 +121,15 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
     src = mgr.rank if mgr.rank < manifest.world_size else 0
     cache = store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1
-    # Only in-place restores prefetch: their plan (pairing every live tensor, the optimizer's included) runs before
-    # any read and is long at many tensors, where prefetching measured 0.76 -> 0.57 s (0.5 GiB, 10,000 tensors).
-    # The default restore measured no gain at 10,000 tensors and a loss at 112 (0.48 -> 0.58 s), not understood.
-    prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads, budget=None if in_place else 0)
-    try:
-        rms = read_ranks(store, manifest, [src])
-        if not rms:
-            raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
-        rm = rms[0]
-        # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
-        plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=in_place and not cache)
-    finally:
-        prefetch.stop()
-    if rm.world_size != mgr.world_size and not plan.dtensor_targets:
-        raise StateMismatchError(
-            f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed tensors "
-            "(DTensor/FSDP2 state) can be resharded", step=step, tier=store.tier)
+    # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
+    direct_reads = in_place and not cache
+    # Reads into the staging buffer do not depend on the plan, so they start first and the plan (long at many
+    # tensors: it pairs every live tensor, the optimizer's included) runs while the disk works. Direct reads need
+    # the plan's targets first; while it is made, the store is asked to prefetch (0.5 GiB of 10,000 tensors, cold,
+    # in place: 0.76 -> 0.57 s). Staged reads do not prefetch: with them it measured a loss, cold and warm (0.5 GiB,
+    # cold: 0.70 -> 0.77 s at 10,000 tensors, 0.47 -> 0.59 s at 100), perhaps the page cache's new pages competing
+    # with the first touch of the staging buffer's (not confirmed).
+    prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads, budget=None if direct_reads else 0)
     holder: dict[str, Any] = {}
 
     def alloc(n: int) -> memoryview:
@@ -146,11 +139,37 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         assert slot.buffer is not None
         return memoryview(slot.buffer[:n].numpy())
 
-    direct = {i: t.reshape(-1).view(torch.uint8) for i, t in plan.direct.items()}  # the live tensors' bytes
+    pending: PendingLoad | None = None
+    direct: dict[int, torch.Tensor] = {}
     try:
-        views, offsets = load_files(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash,
-                                    direct={i: memoryview(b.numpy()) for i, b in direct.items()})
+        early: CorruptCheckpointError | None = None
+        try:
+            rms = read_ranks(store, manifest, [src])
+            if not rms:
+                raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
+            rm = rms[0]
+            if not direct_reads:
+                try:
+                    pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash)
+                except CorruptCheckpointError as exc:
+                    early = exc  # a state mismatch, found by the plan, is the error to report first
+            plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=direct_reads)
+        finally:
+            prefetch.stop()
+        if early is not None:
+            raise early
+        if rm.world_size != mgr.world_size and not plan.dtensor_targets:
+            raise StateMismatchError(
+                f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed "
+                "tensors (DTensor/FSDP2 state) can be resharded", step=step, tier=store.tier)
+        if pending is None:
+            direct = {i: t.reshape(-1).view(torch.uint8) for i, t in plan.direct.items()}  # the live tensors' bytes
+            pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash,
+                                 direct={i: memoryview(b.numpy()) for i, b in direct.items()})
+        views, offsets = pending.result()
     except BaseException:
+        if pending is not None:
+            pending.cancel()  # a state mismatch: stop reading (a failed read: every read has ended already)
         if "slot" in holder:
             mgr._pool.release(holder["slot"])
         raise
@@ -170,7 +189,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         raise
 
     def run() -> None:
-        plan.apply(rm.tensors, tensor_view_factory(rm.tensors, raw), step=step,
+        views_of = tensor_view_factory(rm.tensors, raw, buffer=buf, file_starts=offsets,
+                                       skip=frozenset(direct))
+        plan.apply(rm.tensors, views_of, step=step,
                    dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]))
         if cache:
             _cache_locally(mgr.local, manifest, rm, views)

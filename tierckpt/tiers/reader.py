@@ -13,7 +13,9 @@ Invariants:
   verifies anything, and a failing or missing file there only ends the prefetch;
 - with hashing threads, a file's reader hands each piece it read to its own hashing task and reads on; the file is
   verified only when that task has hashed every piece, and a read never returns (nor lets its memory go) while its
-  hashing task may still touch it.
+  hashing task may still touch it;
+- :func:`start_load` returns while the reads run; whichever of :meth:`PendingLoad.result` and
+  :meth:`PendingLoad.cancel` ends it returns only once no read or hash touches the buffer any more.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -30,7 +32,7 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
-from .tasks import run_all
+from .tasks import results, submit_all
 
 log = logging.getLogger(__name__)
 
@@ -274,11 +276,13 @@ class _Hashing:
 
 
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
-                   direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None) -> None:
+                   direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None,
+                   stop: threading.Event | None = None) -> None:
     """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch.
 
     ``direct``: record index -> memory the tensor's bytes go to instead of ``out`` (see the module docstring).
     ``hash_executor``: hash on a thread there while this one reads on (else read and hash take turns).
+    ``stop``: once set, the read ends before its next chunk with :class:`LoadCancelled`.
     """
     f = rm.files[index]
     rel = join(layout.step_dir(rm.step), f.name)
@@ -293,7 +297,7 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
     else:
         hasher = _Hashing(seg, hash_executor)
         try:
-            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher)
+            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher, stop)
         finally:
             hasher.finish()
     if seg.file_checksum() != f.checksum:
@@ -304,14 +308,24 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
             view[:] = out[t.offset : t.offset + t.nbytes]
 
 
+class LoadCancelled(Exception):
+    """A read ended early because :meth:`PendingLoad.cancel` asked it to (never seen by callers of ``cancel``)."""
+
+
 def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memoryview,
-                 scatter: dict[int, memoryview] | None, hasher: _Hashing) -> None:
+                 scatter: dict[int, memoryview] | None, hasher: _Hashing, stop: threading.Event | None) -> None:
     """Read file ``index`` in order (vectored into ``scatter`` tensors and ``out``, or all into ``out``), handing
-    each piece read to ``hasher``."""
+    each piece read to ``hasher``; checks ``stop`` before every read."""
     f = rm.files[index]
     pos = 0
+
+    def check() -> None:
+        if stop is not None and stop.is_set():
+            raise LoadCancelled(f"reading {f.name} of step {rm.step} was cancelled at byte {pos}")
+
     if scatter:
         for batch in _batches(_pieces(rm, index, out, scatter)):
+            check()
             want = sum(b.nbytes for b in batch)
             n = store.readinto_many(rel, pos, batch)
             if n != want:
@@ -321,6 +335,7 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             pos += n
         return
     while pos < f.size:
+        check()
         n = store.readinto(rel, pos, out[pos : pos + READ_CHUNK])
         if n <= 0:
             raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
@@ -357,6 +372,40 @@ def load_files(
 
     ``direct`` tensors' bytes go to their own memory instead (their ranges of the buffer are left unwritten).
     ``hash_executor``: at least as many threads as ``executor``; files are hashed there while they are read."""
+    return start_load(store, rm, alloc, executor=executor, direct=direct, hash_executor=hash_executor).result()
+
+
+class PendingLoad:
+    """The reads of one rank's files, running on the io threads (from :func:`start_load`).
+
+    Call order: :func:`start_load` → (the caller works meanwhile) → exactly one of :meth:`result` (wait, raise the
+    first error) or :meth:`cancel` (give up); either returns only when no read or hash touches the buffer any more,
+    so the caller may release it right after.
+    """
+
+    def __init__(self, futures: list[Future[None]], views: tuple[memoryview, ...], offsets: tuple[int, ...],
+                 stop: threading.Event) -> None:
+        self._futures, self._stop = futures, stop
+        self.views, self.offsets = views, offsets
+
+    def result(self) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
+        """Every file read and verified: their views in the buffer and their offsets; else the first error."""
+        results(self._futures)
+        return self.views, self.offsets
+
+    def cancel(self) -> None:
+        """Stop every read at its next chunk (files not started are not read) and wait for all; errors are dropped."""
+        self._stop.set()
+        for f in self._futures:
+            f.cancel()
+        wait(self._futures)
+
+
+def start_load(
+    store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
+    direct: dict[int, memoryview] | None = None, hash_executor: Executor | None = None,
+) -> PendingLoad:
+    """:func:`load_files`, returning as soon as the sizes are checked, the buffer allocated and the reads queued."""
     check_sizes(store, rm)
     offsets = []
     total = 0
@@ -364,7 +413,8 @@ def load_files(
         offsets.append(total)
         total += -(-f.size // 4096) * 4096
     buf = alloc(total)
-    views = [buf[o : o + f.size] for o, f in zip(offsets, rm.files)]
-    run_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct, hash_executor=hash_executor),
-            range(len(rm.files)))
-    return tuple(views), tuple(offsets)
+    views = tuple(buf[o : o + f.size] for o, f in zip(offsets, rm.files))
+    stop = threading.Event()
+    futures = submit_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct, hash_executor=hash_executor,
+                                                            stop=stop), range(len(rm.files)))
+    return PendingLoad(futures, views, tuple(offsets), stop)
