@@ -349,6 +349,50 @@ def foreign_cpu(since: tuple[float, float, float]) -> float:
     return max(0.0, ((now[1] - since[1]) - (now[2] - since[2])) / wall)
 
 
+def _block_stat(path: Path) -> Path | None:
+    """``/sys/dev/block/MAJ:MIN/stat`` of the device holding ``path`` (Linux), or None."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return stat if stat.exists() else None
+
+
+def disk_idle(path: Path, max_wait: float = 5.0, quiet: float = 0.2) -> float:
+    """Flush dirty pages, then wait (up to ``max_wait`` s) until the disk holding ``path`` has had no request in
+    flight and has completed none for ``quiet`` seconds; returns the seconds waited.
+
+    Every timed write and cold read calls this first, so that no measurement pays for the one before it: the
+    write-back of its pages, or (on a file system mounted with ``discard``, like the reference VM's) the discards
+    of the files it deleted, which the disk processes after the deleting call has returned. Checkpoints minutes
+    apart in a training run see a settled disk, too. Without the block device's statistics (not Linux; an overlay
+    file system) it only flushes.
+    """
+    t0 = time.perf_counter()
+    os.sync()
+    stat = _block_stat(path)
+    if stat is None:
+        return time.perf_counter() - t0
+
+    def sample() -> tuple[int, tuple[int, ...]]:
+        f = [int(x) for x in stat.read_text().split()]
+        # completed reads, writes, discards (fields 1, 5, 12; 12 exists since Linux 4.18), and in flight (9)
+        return f[8], (f[0], f[4], f[11] if len(f) > 11 else 0)
+
+    last = sample()[1]
+    still_since = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait:
+        time.sleep(0.02)
+        inflight, done = sample()
+        now = time.perf_counter()
+        if inflight or done != last:
+            last, still_since = done, now
+        elif now - still_since >= quiet:
+            break
+    return time.perf_counter() - t0
+
+
 def wait_for_quiet(max_wait: float, threshold: float = 0.3, probe: float = 0.5) -> tuple[float, float]:
     """Wait (up to ``max_wait`` seconds) until other processes use under ``threshold`` cores over ``probe`` s.
 

@@ -13,6 +13,8 @@ Metric names shared across systems (so that they line up in one table):
 - ``load_cold`` / ``load_warm``: loading into the preallocated state with the page cache dropped / warm
   (tierckpt: the default restore, verified in a staging buffer first; ``load_*_inplace``: ``in_place=True``).
 - ``rss_extra``: peak RSS during the case minus RSS before it (sampled every 20 ms).
+
+Before every timed write or cold read the disk is let go quiet (:func:`common.disk_idle`), for every system alike.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import xxhash
 from common import (
     RssSampler,
+    disk_idle,
     drop_caches,
     fresh_dir,
     fsync_path,
@@ -101,6 +104,7 @@ def _loads(ctx: Ctx, out: Metrics, load: Callable[[], None]) -> None:
     ctx.clear_dst()
     settle()
     out["cold_cache"] = drop_caches()
+    disk_idle(ctx.scratch)
     with timed(out, "load_cold"):
         load()
     out["load_ok"] = ctx.verify()
@@ -151,10 +155,12 @@ def case_raw_io(ctx: Ctx) -> Metrics:
     d = fresh_dir(ctx.scratch, "raw")
     try:
         one = d / "all.bin"
+        disk_idle(d)
         with timed(out, "write_1f"):
             write_file(one, ctx.src_list)
             fsync_path(one)
         out["cold_cache"] = drop_caches()
+        disk_idle(d)
         with timed(out, "read_cold_1f"):
             read_file_into(one, ctx.dst_list)
         with timed(out, "read_warm_1f"):
@@ -171,10 +177,12 @@ def case_raw_io(ctx: Ctx) -> Metrics:
         def read(g: int) -> None:
             read_file_into(paths[g], [ctx.dst_list[i] for i in groups[g]])
 
+        disk_idle(d)
         with timed(out, "write_nf"):
             parallel(write, n)
             fsync_path(paths[0])  # the folder entry
         drop_caches()
+        disk_idle(d)
         with timed(out, "read_cold_nf"):
             parallel(read, n)
         with timed(out, "read_warm_nf"):
@@ -187,10 +195,12 @@ def case_raw_io(ctx: Ctx) -> Metrics:
         if hasattr(os, "O_DIRECT"):  # the same N files with O_DIRECT from page-aligned buffers (no page cache)
             bufs = [pack_aligned([ctx.src_list[i] for i in groups[g]]) for g in range(n)]  # not timed
             try:
+                disk_idle(d)
                 with timed(out, "write_nf_direct"):
                     parallel(lambda g: write_file_direct(paths[g], bufs[g]), n)
                     fsync_path(paths[0])
                 drop_caches()
+                disk_idle(d)
                 with timed(out, "read_cold_nf_direct"):
                     parallel(lambda g: read_file_direct(paths[g], bufs[g]), n)
             except OSError as exc:  # EINVAL: this file system has no O_DIRECT; the buffered limits stand
@@ -213,6 +223,7 @@ def case_torch_save(ctx: Ctx) -> Metrics:
     d = fresh_dir(ctx.scratch, "torchsave")
     path = d / "ckpt.pt"
     try:
+        disk_idle(d)
         base = rss_bytes()
         with RssSampler(0.02) as rss, timed(out, "stall"):
             with open(path, "wb") as f:
@@ -242,6 +253,7 @@ def case_safetensors(ctx: Ctx) -> Metrics:
     d = fresh_dir(ctx.scratch, "safetensors")
     path = d / "ckpt.safetensors"
     try:
+        disk_idle(d)
         base = rss_bytes()
         with RssSampler(0.02) as rss, timed(out, "stall"):
             save_file(flatten(ctx.state), str(path))
@@ -278,6 +290,7 @@ def make_case_dcp_save(thread_count: int) -> Callable[[Ctx], Metrics]:
         out: Metrics = {}
         d = fresh_dir(ctx.scratch, f"dcp{thread_count}")
         try:
+            disk_idle(d)
             base = rss_bytes()
             with RssSampler(0.02) as rss, timed(out, "stall"):
                 dcp.save(
@@ -335,6 +348,7 @@ def make_case_dcp_async(stager: bool, thread_count: int = 1) -> Callable[[Ctx], 
                     )
                 )
                 kwargs["async_stager"] = st
+            disk_idle(d)
             base = rss_bytes()
             with RssSampler(0.02) as rss:
                 t0 = time.perf_counter()
@@ -404,6 +418,7 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
             mgr = tc.CheckpointManager(d / "local", **ctx.tierckpt_kwargs)
             try:
                 for k in range(ctx.saves):
+                    disk_idle(d)  # the previous save's retention deleted a step: its discards finish first
                     t0 = time.perf_counter()
                     h = mgr.save(k + 1, ctx.state)
                     stalls.append(time.perf_counter() - t0)
@@ -430,6 +445,7 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
                 ctx.clear_dst()
                 settle()
                 out["cold_cache"] = drop_caches()
+                disk_idle(d)
                 base = rss_bytes()
                 with RssSampler(0.02) as rss2, timed(out, "load_cold"):
                     step = mgr.restore(ctx.dst)
@@ -442,6 +458,7 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
                 ctx.clear_dst()
                 settle()
                 drop_caches()
+                disk_idle(d)
                 base = rss_bytes()
                 with RssSampler(0.02) as rss3, timed(out, "load_cold_inplace"):
                     step = mgr.restore(ctx.dst, in_place=True)
@@ -485,6 +502,7 @@ def make_case_tierckpt_remote(kind: str) -> Callable[[Ctx], Metrics]:
             mgr = tc.CheckpointManager(d / "local", remote=remote, **kwargs)
             try:
                 for k in range(2):
+                    disk_idle(d)
                     t0 = time.perf_counter()
                     h = mgr.save(k + 1, ctx.state)
                     stall = time.perf_counter() - t0
