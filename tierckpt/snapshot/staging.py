@@ -6,9 +6,10 @@ tier has made that snapshot durable. With one slot (the default) a save that arr
 being written waits for it (back-pressure) rather than allocating more memory; two slots let one save be copied while
 the previous is written, at twice the memory.
 
-Buffers are allocated on first use, grown only when a state grows, and otherwise reused forever, so a steady-state
-save allocates nothing large. They are pinned (page-locked) when CUDA is available, so device-to-host copies run at
-full PCIe/NVLink bandwidth on a dedicated copy stream without blocking the training stream.
+Buffers are allocated on first use (or ahead of it, on a background thread, by :meth:`StagingPool.reserve`), grown
+only when a state grows, and otherwise reused forever, so a steady-state save allocates nothing large. They are
+pinned (page-locked) when CUDA is available, so device-to-host copies run at full PCIe/NVLink bandwidth on a
+dedicated copy stream without blocking the training stream.
 
 Copying host tensors: one ``torch._foreach_copy_`` call copies a list of tensors in C++ (releasing the GIL), and
 torch splits each large copy over its own threads. Thousands of small tensors are dominated by per-tensor cost
