@@ -27,7 +27,6 @@ with an error, and the slot is released by the writer's job (never while it may 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import sys
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._libc import libc_function
 from ..errors import CheckpointError
 from ..format.plan import SnapshotPlan
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
@@ -69,19 +69,8 @@ _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-def _load_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_libc_madvise = _load_madvise()
+_libc_madvise = (libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+                 if sys.platform.startswith("linux") else None)
 
 
 class StagingFailed(CheckpointError):

@@ -22,7 +22,6 @@ between the two leaves the complete new folder under its ``.tmp-`` name, which s
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -30,6 +29,7 @@ import shutil
 from typing import BinaryIO
 
 from .. import faults
+from .._libc import libc_function
 from ..errors import CheckpointError, StorageError
 from ..format import layout
 from .base import Store, WriteStream, join
@@ -45,18 +45,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100
 
 
-def _load_renameat2():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _load_renameat2()
+_renameat2 = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint],
+                           ctypes.c_int)
 
 
 def exchange(a: str, b: str) -> bool:
