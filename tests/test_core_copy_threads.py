@@ -95,7 +95,7 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
     assert not small["transposed"].is_contiguous() and not small["strided_rows"].is_contiguous()
     state = {
         "small": small,
-        # large tensors go to the calling thread while the small ones are copied by the others
+        # copied in chunks of equal cost: one by the calling thread, the others by the copy threads
         "large": {"emb": _random_bits((1024, 512), torch.float32, g),
                   "emb_bf16": _random_bits((2048, 300), torch.bfloat16, g)},
         "step": 7,
@@ -107,8 +107,8 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
             want = {k: {n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v for k, v in state.items()}
             mgr.save(step, state)
             mgr.wait()
-            workers = [(name, n) for name, n in copy_threads if name.startswith("tierckpt-copy")]
-            assert len(workers) >= 2, f"small tensors were not split over copy threads: {copy_threads}"
+            on_workers = sum(n for name, n in copy_threads if name.startswith("tierckpt-copy"))
+            assert on_workers >= len(small) // 4, f"small tensors were not split over copy threads: {copy_threads}"
             assert sum(n for _, n in copy_threads) == len(small) + 2 - 3, copy_threads  # all but the 3 empty ones
             fresh = {"small": zeros_like_tree(small), "large": zeros_like_tree(state["large"]), "step": 0}
             assert mgr.restore(fresh) == step

@@ -61,39 +61,76 @@ class _CheckedProgress(staging.CopyProgress):
         super().advance(part, end)
 
 
+def _checked_copy(state: dict[str, Any], file_bytes: int, waves: int, threads: int = 1) -> tuple[Any, list[Any]]:
+    """Copy ``state`` pipelined under :class:`_CheckedProgress` and check every file image against a copy made in
+    one go; returns the plan and the (part, watermark) calls in order."""
+    flat = tree.flatten(state)
+    plan = make_plan(flat.specs, file_bytes=file_bytes, min_files=2)
+    locations = staging.leaf_locations(plan)
+    pool = staging.StagingPool(slots=2, pin=False)
+    try:
+        ref_slot = pool.acquire(plan.buffer_bytes)
+        staging.copy_into(ref_slot, plan, locations, flat)  # the reference image, copied in one go
+        assert ref_slot.buffer is not None
+        slot = pool.acquire(plan.buffer_bytes)
+        assert slot is not ref_slot and slot.buffer is not None
+        slot.buffer.fill_(0xA5)
+        flat = tree.flatten(state)  # copy_into's caller owns the values list; a fresh one
+        progress = _CheckedProgress([f.size for f in plan.files], slot, ref_slot.buffer,
+                                    [f.buffer_offset for f in plan.files])
+        staging.copy_into(slot, plan, locations, flat, progress=progress, waves=waves,
+                          executor=pool.copy_executor() if threads > 1 else None)
+        progress.finish()
+        for f in plan.files:  # every file image complete (the padding between images is never written)
+            image = slice(f.buffer_offset, f.buffer_offset + f.size)
+            assert torch.equal(slot.buffer[image], ref_slot.buffer[image]), f"file {f.part}"
+        for part in range(len(plan.files)):  # every file's watermark rises to its end
+            ends = [e for p, e in progress.calls if p == part]
+            assert ends == sorted(ends) and ends[-1] == plan.files[part].size, (part, ends)
+        return plan, progress.calls
+    finally:
+        pool.close()
+
+
 def test_watermarks_cover_only_copied_bytes_in_wave_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", MiB)
     state = _state(24, 96 * 1024, seed=1)  # 24 tensors of 384 KiB
-    flat = tree.flatten(state)
-    plan = make_plan(flat.specs, file_bytes=2 * MiB, min_files=2)
+    plan, calls = _checked_copy(state, 2 * MiB, waves=2)
     files = len(plan.files)
     assert files >= 4
-    locations = staging.leaf_locations(plan)
-    pool = staging.StagingPool(slots=2, pin=False)
-    ref_slot = pool.acquire(plan.buffer_bytes)
-    staging.copy_into(ref_slot, plan, locations, flat)  # the reference image, copied in one go
-    assert ref_slot.buffer is not None
-    slot = pool.acquire(plan.buffer_bytes)
-    assert slot is not ref_slot and slot.buffer is not None
-    slot.buffer.fill_(0xA5)
-    flat = tree.flatten(state)  # copy_into's caller owns the values list; a fresh one
-    progress = _CheckedProgress([f.size for f in plan.files], slot, ref_slot.buffer,
-                                [f.buffer_offset for f in plan.files])
-    staging.copy_into(slot, plan, locations, flat, progress=progress, waves=2)
-    progress.finish()
-    for f in plan.files:  # every file image complete (the padding between images is never written)
-        image = slice(f.buffer_offset, f.buffer_offset + f.size)
-        assert torch.equal(slot.buffer[image], ref_slot.buffer[image]), f"file {f.part}"
-    calls = progress.calls
     assert len(calls) > files, "the copy did not advance group by group"
-    for part in range(files):  # every file's watermark rises to its end
-        ends = [e for p, e in calls if p == part]
-        assert ends == sorted(ends) and ends[-1] == plan.files[part].size, (part, ends)
     # files are copied a wave (the writer threads' first files) at a time, interleaved within the wave
     first_wave = {p for p, _ in calls[: len([c for c in calls if c[0] in (0, 1)])]}
     assert first_wave == {0, 1}
     assert calls[0][0] == 0 and calls[1][0] == 1
-    pool.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tensors_larger_than_a_group_are_copied_in_pieces(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """A tensor larger than a group raises its file's watermark piece by piece (contiguous sources), or once with
+    its first piece (strided ones); small tensors around it, split over copy threads or not, stay correct."""
+    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", MiB)
+    monkeypatch.setattr(staging, "PIPELINE_SPLIT_MIN_TENSORS", 8)
+    g = torch.Generator().manual_seed(4)
+    state: dict[str, Any] = {"small_a": {f"n{i}": torch.randn(300, generator=g) for i in range(20)}}
+    state["emb"] = torch.randn(917_503, generator=g)  # 3.5 MiB less 4 bytes: the last piece is short
+    state["emb_bf16"] = torch.randn(1_300_001, generator=g).to(torch.bfloat16)
+    state["strided"] = torch.randn(640, 1024, generator=g).t()  # 2.5 MiB, not contiguous
+    state["small_b"] = {f"n{i}": torch.randn(100, generator=g) for i in range(20)}
+    assert not state["strided"].is_contiguous()
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, torch_threads))
+    try:
+        plan, calls = _checked_copy(state, 16 * MiB, waves=1, threads=threads)
+    finally:
+        torch.set_num_threads(torch_threads)
+    spans = {t.leaf: (f.part, t.offset, t.offset + t.nbytes) for f in plan.files for t in f.tensors}
+    paths = tree.flatten(state).paths
+    for name, pieces in (("emb", 4), ("emb_bf16", 3), ("strided", 3)):
+        leaf = paths.index(f"state['{name}']")
+        part, lo, hi = spans[leaf]
+        inside = [e for p, e in calls if p == part and lo < e <= hi]
+        assert len(inside) == pieces and inside[-1] == hi, (name, inside)
 
 
 def test_copy_progress_wakes_waiters_and_reports_failure() -> None:
@@ -155,10 +192,17 @@ def test_hashing_waits_for_the_copy_and_for_the_caller_to_stop_waiting() -> None
         failed.wait_released()
 
 
-def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("small", [0, 300], ids=["large", "many_small"])
+def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int) -> None:
+    """Also with more small tensors than :data:`staging.THREADED_MIN_TENSORS` (a real model's norms and biases):
+    their group is split over the copy threads, and the rest of the copy is still pipelined."""
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
     state = _state(20, MiB, seed=2)  # 80 MiB in 20 tensors of 4 MiB, two files of 40 MiB (at most 48 MiB each)
+    g = torch.Generator().manual_seed(3)
+    for i in range(small):
+        state["model"][f"norm{i}"] = torch.randn(256, generator=g)
     copies: list[float] = []
+    copy_threads: set[str] = set()
     writes: list[float] = []
     real_copy, real_write = staging._copy_tensors, local_store._LocalWriteStream.write
 
@@ -166,24 +210,32 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
         real_copy(dsts, srcs)
         time.sleep(0.02)  # a slow copy (a device-to-host copy of a large state)
         copies.append(time.perf_counter())
+        copy_threads.add(threading.current_thread().name)
 
     def spy_write(self: Any, data: Any) -> None:
         if not self.path.endswith(".json"):
             writes.append(time.perf_counter())
         real_write(self, data)
 
-    with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2) as mgr:
-        want = clone_tree(state)
-        monkeypatch.setattr(staging, "_copy_tensors", slow_copy)
-        monkeypatch.setattr(local_store._LocalWriteStream, "write", spy_write)
-        handle = mgr.save(1, state)
-        assert handle.staged.done() and handle.staged.exception() is None
-        handle.persisted.result(60)
-        monkeypatch.undo()
-        assert handle.record().files == 2
-        assert len(copies) >= 10, copies
-        assert writes and min(writes) < max(copies), "no data was written before the copy finished"
-        _assert_restores(mgr, want, 1)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, torch_threads))  # the copy threads exist only with 2 or more
+    try:
+        with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2) as mgr:
+            want = clone_tree(state)
+            monkeypatch.setattr(staging, "_copy_tensors", slow_copy)
+            monkeypatch.setattr(local_store._LocalWriteStream, "write", spy_write)
+            handle = mgr.save(1, state)
+            assert handle.staged.done() and handle.staged.exception() is None
+            handle.persisted.result(60)
+            monkeypatch.undo()
+            assert handle.record().files == 2
+            assert len(copies) >= 10, copies
+            assert writes and min(writes) < max(copies), "no data was written before the copy finished"
+            if small:
+                assert any(n.startswith("tierckpt-copy") for n in copy_threads), copy_threads
+            _assert_restores(mgr, want, 1)
+    finally:
+        torch.set_num_threads(torch_threads)
 
 
 def _failing_copy(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> list[int]:

@@ -13,13 +13,15 @@ dedicated copy stream without blocking the training stream.
 
 Copying host tensors: one ``torch._foreach_copy_`` call copies a list of tensors in C++ (releasing the GIL), and
 torch splits each large copy over its own threads. Thousands of small tensors are dominated by per-tensor cost
-instead, which torch does not parallelise, so when there are many small ones they are split into chunks copied by
-a few threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies the large ones.
+instead, which torch does not parallelise, so where there are many small ones they are split into chunks copied by
+a few threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies a chunk of its own.
 
 Pipelining: given a :class:`CopyProgress`, the copy runs file image by file image in groups of about
 :data:`PIPELINE_GROUP_BYTES`, in the order the writer threads consume them, and raises each file's watermark after
-each group. The local tier's writers wait on those watermarks, so they start writing a file's first bytes while the
-rest of the state is still being copied, and durable time is no longer copy time plus write time. Invariant: a
+each group; a group holding many small tensors is split over the copy threads (above) and its watermark rises when
+every chunk of it has returned. The local tier's writers wait on those watermarks, so they start writing a file's
+first bytes while the rest of the state is still being copied, and durable time is no longer copy time plus write
+time. Invariant: a
 watermark covers only bytes whose copy has returned; a failed copy fails the progress, which wakes every waiter
 with an error, and the slot is released by the writer's job (never while it may still read from it).
 """
@@ -64,6 +66,9 @@ MAX_COPY_THREADS = 4
 _TENSOR_COST_BYTES = 32 << 10
 #: A pipelined copy raises a file's watermark after about this many bytes of it (see the module docstring).
 PIPELINE_GROUP_BYTES = 32 << 20
+#: A pipelined group is split over the copy threads when it holds at least this many small tensors (one hand-off
+#: per group costs about what copying 50 small tensors does).
+PIPELINE_SPLIT_MIN_TENSORS = 64
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 #: ``madvise`` advice (Linux 5.14+) that faults pages in as if written, without changing a byte of them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -296,6 +301,21 @@ def leaf_locations(plan: SnapshotPlan) -> list[tuple[int, int]]:
     return loc
 
 
+class _Group:
+    """One step of a pipelined copy, after which file ``part``'s watermark rises to ``end``: either whole tensors
+    (``positions`` into the layout's sources and their ``dsts``), cut into ``chunks`` (positions, destinations) for
+    the copy threads when there are many small ones, or one ``piece`` of a tensor larger than a group (position,
+    first and last element, destination view of those elements)."""
+
+    __slots__ = ("part", "end", "dsts", "positions", "chunks", "piece")
+
+    def __init__(self, part: int, end: int, dsts: list[torch.Tensor], positions: list[int],
+                 chunks: list[tuple[list[int], list[torch.Tensor]]] | None = None,
+                 piece: tuple[int, int, int, torch.Tensor] | None = None) -> None:
+        self.part, self.end, self.dsts, self.positions = part, end, dsts, positions
+        self.chunks, self.piece = chunks, piece
+
+
 class _CopySchedule:
     """How one plan's host tensors are copied with ``threads`` threads: ``chunks`` of small tensors for the copy
     threads (None: no threads, one call copies everything) and the large ones for the calling thread. Positions
@@ -322,43 +342,67 @@ class _SlotLayout:
         self.numpy_idx = [i for i, k in enumerate(kinds) if k == "numpy" and sig[i].nbytes]
         self.dsts: list[torch.Tensor] = [views[i] for i in torch_idx]  # type: ignore[misc]
         self.schedules: dict[int, _CopySchedule] = {}
-        self.pipelines: dict[int, list[tuple[int, int, list[torch.Tensor], list[int]]]] = {}
+        self.pipelines: dict[tuple[int, int], list[_Group]] = {}
         self.file_views: list[memoryview] | None = None
 
-    def pipeline(self, waves: int) -> list[tuple[int, int, list[torch.Tensor], list[int]]]:
-        """Groups for a pipelined copy: (file part, watermark after the group, destinations, source positions).
+    def pipeline(self, waves: int, threads: int = 1) -> list[_Group]:
+        """The groups of a pipelined copy (see :class:`_Group`), in the order they are copied.
 
-        Each file's tensors in file order, cut every :data:`PIPELINE_GROUP_BYTES`; files taken ``waves`` at a time
+        Each file's tensors in file order, cut every :data:`PIPELINE_GROUP_BYTES` (a larger tensor into pieces of
+        that size, so that a writer's first bytes never wait for a whole embedding); files taken ``waves`` at a time
         (the writer threads take them in that order) with their groups interleaved, so every busy writer has its
-        next bytes early. Leaves copied before the groups (arrays) and empty ones are covered but not listed.
+        next bytes early. A group with at least :data:`PIPELINE_SPLIT_MIN_TENSORS` small tensors is cut into
+        ``threads`` chunks of equal cost. Leaves copied before the groups (arrays) and empty ones are covered but
+        not listed.
         """
-        cached = self.pipelines.get(waves)
+        cached = self.pipelines.get((waves, threads))
         if cached is not None:
             return cached
         pos_of = {leaf: p for p, leaf in enumerate(self.torch_idx)} if self.torch_idx is not None else None
-        per_file: list[list[tuple[int, int, list[torch.Tensor], list[int]]]] = []
+        sizes = [d.nbytes for d in self.dsts]
+
+        def group(part: int, end: int, dsts: list[torch.Tensor], positions: list[int]) -> _Group:
+            small = sum(1 for p in positions if sizes[p] < SMALL_TENSOR_BYTES)
+            if threads < 2 or small < PIPELINE_SPLIT_MIN_TENSORS:
+                return _Group(part, end, dsts, positions)
+            runs = _balanced_runs(positions, sizes, threads)
+            return _Group(part, end, dsts, positions, [(run, [self.dsts[q] for q in run]) for run in runs])
+
+        per_file: list[list[_Group]] = []
         for f in self.plan.files:
-            groups: list[tuple[int, int, list[torch.Tensor], list[int]]] = []
+            groups: list[_Group] = []
             dsts: list[torch.Tensor] = []
             positions: list[int] = []
             size = 0
             for t in f.tensors:
                 pos = t.leaf if pos_of is None else pos_of.get(t.leaf)
+                if pos is not None and t.nbytes > PIPELINE_GROUP_BYTES:
+                    if positions:
+                        groups.append(group(f.part, t.offset, dsts, positions))
+                        dsts, positions, size = [], [], 0
+                    flat_dst = self.dsts[pos].view(-1)
+                    step = max(1, PIPELINE_GROUP_BYTES // flat_dst.element_size())
+                    for lo in range(0, flat_dst.numel(), step):
+                        hi = min(flat_dst.numel(), lo + step)
+                        end = t.offset + hi * flat_dst.element_size()
+                        groups.append(_Group(f.part, end, [], [], None, (pos, lo, hi, flat_dst[lo:hi])))
+                    continue
                 if pos is not None:
                     dsts.append(self.dsts[pos])
                     positions.append(pos)
                     size += t.nbytes
                 if size >= PIPELINE_GROUP_BYTES:
-                    groups.append((f.part, t.offset + t.nbytes, dsts, positions))
+                    groups.append(group(f.part, t.offset + t.nbytes, dsts, positions))
                     dsts, positions, size = [], [], 0
-            groups.append((f.part, f.size, dsts, positions))
+            if positions or not groups or groups[-1].end != f.size:
+                groups.append(group(f.part, f.size, dsts, positions))
             per_file.append(groups)
-        order: list[tuple[int, int, list[torch.Tensor], list[int]]] = []
+        order: list[_Group] = []
         for w in range(0, len(per_file), max(1, waves)):
             wave = per_file[w : w + max(1, waves)]
             for k in range(max(len(g) for g in wave)):
                 order.extend(g[k] for g in wave if k < len(g))
-        self.pipelines[waves] = order
+        self.pipelines[(waves, threads)] = order
         return order
 
     def schedule(self, threads: int) -> _CopySchedule:
@@ -373,20 +417,26 @@ class _SlotLayout:
         if threads < 2 or len(small) <= THREADED_MIN_TENSORS:
             return _CopySchedule(None, [], [])
         large = [p for p, n in enumerate(sizes) if n >= SMALL_TENSOR_BYTES]
-        # contiguous runs of equal cost (neighbours in the leaf order are neighbours in the buffer)
-        total = sum(sizes[p] + _TENSOR_COST_BYTES for p in small)
-        chunks: list[tuple[list[int], list[torch.Tensor]]] = []
-        run: list[int] = []
-        done = 0
-        for p in small:
-            run.append(p)
-            done += sizes[p] + _TENSOR_COST_BYTES
-            if done * threads >= total * (len(chunks) + 1) and len(chunks) < threads - 1:
-                chunks.append((run, [self.dsts[q] for q in run]))
-                run = []
-        if run:
-            chunks.append((run, [self.dsts[q] for q in run]))
+        chunks = [(run, [self.dsts[q] for q in run]) for run in _balanced_runs(small, sizes, threads)]
         return _CopySchedule(chunks, large, [self.dsts[p] for p in large])
+
+
+def _balanced_runs(positions: list[int], sizes: list[int], parts: int) -> list[list[int]]:
+    """``positions`` cut into at most ``parts`` contiguous runs of about equal cost (bytes plus a fixed cost per
+    tensor); neighbours in the leaf order are neighbours in the buffer."""
+    total = sum(sizes[p] + _TENSOR_COST_BYTES for p in positions)
+    runs: list[list[int]] = []
+    run: list[int] = []
+    done = 0
+    for p in positions:
+        run.append(p)
+        done += sizes[p] + _TENSOR_COST_BYTES
+        if done * parts >= total * (len(runs) + 1) and len(runs) < parts - 1:
+            runs.append(run)
+            run = []
+    if run:
+        runs.append(run)
+    return runs
 
 
 def _slot_layout(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], kinds: list[str]) -> _SlotLayout:
@@ -420,9 +470,10 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
               progress: CopyProgress | None = None, waves: int = 1) -> None:
     """Copy the headers and every leaf's bytes into ``slot``; returns when the bytes are in host memory.
 
-    ``executor``: threads for copying many small host tensors in parallel (see :data:`THREADED_MIN_TENSORS`).
+    ``executor``: threads for copying many small host tensors in parallel (see :data:`THREADED_MIN_TENSORS` and
+    :data:`PIPELINE_SPLIT_MIN_TENSORS`).
     ``progress``: advanced group by group as the bytes land (pipelined, ``waves`` files at a time) when every leaf
-    is a host tensor and there are not many small ones. The caller then finishes it, or fails it on error.
+    is a host tensor. The caller then finishes it, or fails it on error.
     """
     assert slot.buffer is not None
     buf = slot.buffer
@@ -445,23 +496,48 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
             dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
         _copy_tensors(dsts, srcs)
         return
-    sched = layout.schedule(min(MAX_COPY_THREADS, torch.get_num_threads()) if executor is not None else 1)
+    threads = min(MAX_COPY_THREADS, torch.get_num_threads()) if executor is not None else 1
+    pick = srcs.__getitem__
+    if progress is not None:
+        for g in layout.pipeline(waves, threads):
+            if g.piece is not None:
+                _copy_piece(g.piece, layout.dsts, pick)
+            elif g.chunks is None:
+                _copy_tensors(g.dsts, list(map(pick, g.positions)))
+            else:
+                assert executor is not None
+                _copy_split(executor, g.chunks[1:], g.chunks[0], pick)
+            progress.advance(g.part, g.end)
+        return
+    sched = layout.schedule(threads)
     if sched.chunks is None:
-        if progress is None:
-            _copy_tensors(dsts, srcs)
-            return
-        pick = srcs.__getitem__
-        for part, end, group_dsts, positions in layout.pipeline(waves):
-            _copy_tensors(group_dsts, list(map(pick, positions)))
-            progress.advance(part, end)
+        _copy_tensors(dsts, srcs)
         return
     assert executor is not None
-    pick = srcs.__getitem__
+    _copy_split(executor, sched.chunks, (sched.large_pos, sched.large_dsts), pick)
+
+
+def _copy_piece(piece: tuple[int, int, int, torch.Tensor], dsts: list[torch.Tensor],
+                pick: Callable[[int], torch.Tensor]) -> None:
+    """Copy elements ``lo:hi`` of a large source; a strided source is copied whole with its first piece."""
+    pos, lo, hi, dst = piece
+    src = pick(pos)
+    if src.is_contiguous():
+        with torch.no_grad():
+            part = src.view(-1)[lo:hi]
+        _copy_tensors([dst], [part])
+    elif lo == 0:
+        _copy_tensors([dsts[pos]], [src])
+
+
+def _copy_split(executor: Executor, others: list[tuple[list[int], list[torch.Tensor]]],
+                own: tuple[list[int], list[torch.Tensor]], pick: Callable[[int], torch.Tensor]) -> None:
+    """Copy ``others`` (source positions, destinations) on the executor's threads and ``own`` on this one."""
     futures: list[Future[Any]] = []
     try:
-        for pos, d in sched.chunks:
+        for pos, d in others:
             futures.append(executor.submit(_copy_tensors, d, list(map(pick, pos))))
-        _copy_tensors(sched.large_dsts, list(map(pick, sched.large_pos)))
+        _copy_tensors(own[1], list(map(pick, own[0])))
     finally:
         wait_futures(futures)  # never return (and let the slot go) while a thread still writes into it
     for fut in futures:
