@@ -47,6 +47,7 @@ from measure import (
     case_raw_io,
     case_safetensors,
     case_tierckpt,
+    case_tierckpt_overlap,
     case_torch_save,
     default_stager_available,
     make_case_dcp_async,
@@ -74,9 +75,10 @@ def log(msg: str) -> None:
 
 
 def build_cases(
-    *, tierckpt: bool, remote: bool, s3: bool, peers: list[str] | None = None, limits: bool = True
+    *, tierckpt: bool, remote: bool, s3: bool, peers: list[str] | None = None, limits: bool = True,
+    overlap: bool = False,
 ) -> dict[str, Case]:
-    """The cases of one suite, by display name."""
+    """The cases of one suite, by display name (``overlap``: also tierckpt with ``overlap_writes=True``)."""
     cases: dict[str, Case] = {}
     if limits:
         cases["memcpy"] = case_memcpy
@@ -96,6 +98,8 @@ def build_cases(
             cases[name] = all_peers[name]
     if tierckpt:
         cases["tierckpt"] = case_tierckpt
+        if overlap:
+            cases["tierckpt+overlap"] = case_tierckpt_overlap
         if remote:
             cases["tierckpt+posix"] = make_case_tierckpt_remote("posix")
         if s3:
@@ -258,7 +262,7 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
                    r["durable_vs_write"], r["load_cold_vs_read"], r["load_warm_vs_read"]])  # fmt: skip
     bp = d["best_peer"]
     t3 = []
-    for n in ("tierckpt", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
+    for n in ("tierckpt", "tierckpt+overlap", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
         r = d["systems"].get(n)
         if not r or r.get("error"):
             continue
@@ -390,7 +394,7 @@ def main_bench(args: argparse.Namespace) -> dict[str, Any]:
         ctx = Ctx(state, dst, scratch, threads=args.threads, tierckpt=tc, tierckpt_kwargs=parse_kv(args.tierckpt_opt),
                   saves=args.saves, s3=s3, quiet_wait=args.quiet_wait)  # fmt: skip
         cases = build_cases(
-            tierckpt=tc is not None, remote=not args.no_remote, s3=s3 is not None, peers=peers
+            tierckpt=tc is not None, remote=not args.no_remote, s3=s3 is not None, peers=peers, overlap=True
         )
         res = run_suite(ctx, cases, args.repeats)
     d = derive(res["medians"], desc["bytes"])

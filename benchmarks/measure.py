@@ -19,6 +19,7 @@ Before every timed write or cold read the disk is let go quiet (:func:`common.di
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -471,6 +472,13 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
     finally:
         remove(d)
     return out
+
+
+def case_tierckpt_overlap(ctx: Ctx) -> Metrics:
+    """tierckpt with ``overlap_writes=True`` (writing each file while the rest is copied), saves only: the other side
+    of the trade-off wherever the default leaves it off (fewer cores than copy threads plus writers)."""
+    kwargs = {**ctx.tierckpt_kwargs, "overlap_writes": True}
+    return case_tierckpt(dataclasses.replace(ctx, loads=False, tierckpt_kwargs=kwargs))
 
 
 def make_case_tierckpt_remote(kind: str) -> Callable[[Ctx], Metrics]:

@@ -192,10 +192,13 @@ def test_hashing_waits_for_the_copy_and_for_the_caller_to_stop_waiting() -> None
         failed.wait_released()
 
 
-@pytest.mark.parametrize("small", [0, 300], ids=["large", "many_small"])
-def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int) -> None:
+@pytest.mark.parametrize(("small", "overlap"), [(0, True), (300, True), (0, False), (300, False)],
+                         ids=["large", "many_small", "large-no-overlap", "many_small-no-overlap"])
+def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int,
+                                            overlap: bool) -> None:
     """Also with more small tensors than :data:`staging.THREADED_MIN_TENSORS` (a real model's norms and biases):
-    their group is split over the copy threads, and the rest of the copy is still pipelined."""
+    their group is split over the copy threads, and the rest of the copy is still pipelined. With
+    ``overlap_writes=False`` no byte is written before the copy ends."""
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
     state = _state(20, MiB, seed=2)  # 80 MiB in 20 tensors of 4 MiB, two files of 40 MiB (at most 48 MiB each)
     g = torch.Generator().manual_seed(3)
@@ -220,7 +223,7 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(max(2, torch_threads))  # the copy threads exist only with 2 or more
     try:
-        with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2) as mgr:
+        with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2, overlap_writes=overlap) as mgr:
             want = clone_tree(state)
             monkeypatch.setattr(staging, "_copy_tensors", slow_copy)
             monkeypatch.setattr(local_store._LocalWriteStream, "write", spy_write)
@@ -229,8 +232,12 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
             handle.persisted.result(60)
             monkeypatch.undo()
             assert handle.record().files == 2
-            assert len(copies) >= 10, copies
-            assert writes and min(writes) < max(copies), "no data was written before the copy finished"
+            assert writes and copies
+            if overlap:
+                assert len(copies) >= 10, copies
+                assert min(writes) < max(copies), "no data was written before the copy finished"
+            else:
+                assert min(writes) > max(copies), "data was written while the copy ran"
             if small:
                 assert any(n.startswith("tierckpt-copy") for n in copy_threads), copy_threads
             _assert_restores(mgr, want, 1)
@@ -258,7 +265,7 @@ def test_a_copy_failing_mid_way_is_reported_once(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
     state = _state(20, MiB, seed=3)
     root = tmp_path / "c"
-    with CheckpointManager(root, file_size_mb=40, lazy_snapshot=lazy, keep_local=5) as mgr:
+    with CheckpointManager(root, file_size_mb=40, lazy_snapshot=lazy, keep_local=5, overlap_writes=True) as mgr:
         mgr.save(1, state).persisted.result(60)
         calls = _failing_copy(monkeypatch, fail_at=4)
         if lazy:
@@ -341,3 +348,22 @@ def test_a_save_that_fails_before_its_job_starts_gives_the_slot_back(tmp_path: P
         mgr.wait(60)
         assert [s.step for s in mgr.steps()] == [1, 3]
         _assert_restores(mgr, want, 3)
+
+
+def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto: write while copying only with a core for each copy thread and each writer; True/False force it."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for cores, want in ((3, False), (4, True), (64, True), (1, False)):
+            monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+            assert staging.overlap_pays(2) is want, cores
+            with CheckpointManager(tmp_path / f"auto{cores}", writer_threads=2) as mgr:
+                assert mgr._overlap is want
+            for forced in (True, False):
+                with CheckpointManager(tmp_path / f"forced{cores}", overlap_writes=forced) as mgr:
+                    assert mgr._overlap is forced
+    finally:
+        torch.set_num_threads(torch_threads)
+    with pytest.raises(ValueError, match="overlap_writes"):
+        CheckpointManager(tmp_path / "bad", overlap_writes="yes")  # type: ignore[arg-type]

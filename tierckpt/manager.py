@@ -79,6 +79,9 @@ class CheckpointManager:
             by hand.
         direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
             go from the staging buffer to the disk without a copy through the page cache.
+        overlap_writes: start writing each file while the rest of a host state is still being copied (durable
+            sooner). None (auto): only when the process has a core for each copy thread and each writer, because on
+            fewer the writes slow the copy that training waits for (:func:`staging.overlap_pays`).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
@@ -106,6 +109,7 @@ class CheckpointManager:
         log_records: bool = True,
         lazy_snapshot: bool = False,
         direct_io: bool = True,
+        overlap_writes: bool | None = None,
         collective_timeout_s: float = 600.0,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
@@ -119,7 +123,7 @@ class CheckpointManager:
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
             cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
             collective_timeout_s=collective_timeout_s, lazy_snapshot=lazy_snapshot,
-            direct_io=direct_io,
+            direct_io=direct_io, overlap_writes=overlap_writes,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -154,6 +158,8 @@ class CheckpointManager:
         cuda = torch.cuda.is_available()
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin)
+        overlap = self.options.overlap_writes
+        self._overlap = staging.overlap_pays(self.options.writer_threads) if overlap is None else overlap
         self._copy_stream = torch.cuda.Stream() if cuda else None
         self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
         self._hash = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-hash")
@@ -205,15 +211,15 @@ class CheckpointManager:
             self._watch_optimizers(state)
         slot = self._pool.acquire(plan.buffer_bytes)
         values = flat.values
-        # the persist job starts writing each file while the rest is still being copied (pipelined copy and write)
+        # with overlap, the persist job writes each file while the rest is still being copied (pipelined copy)
         progress = staging.CopyProgress([f.size for f in plan.files])
 
         def stage() -> None:
             try:
                 faults.point("staging")
                 staging.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
-                                  executor=self._pool.copy_executor(), progress=progress,
-                                  waves=self.options.writer_threads)
+                                  executor=self._pool.copy_executor(),
+                                  progress=progress if self._overlap else None, waves=self.options.writer_threads)
             except BaseException as exc:
                 progress.fail(exc)  # the persist job gives up on these bytes and releases the slot
                 raise

@@ -26,6 +26,7 @@ class Options:
     collective_timeout_s: float = 600.0
     lazy_snapshot: bool = False
     direct_io: bool = True
+    overlap_writes: bool | None = None
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -54,8 +55,9 @@ class Options:
         for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.pin_memory not in (None, True, False):
-            raise ValueError(f"pin_memory must be None (auto), True or False, got {self.pin_memory!r}")
+        for name in ("pin_memory", "overlap_writes"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be None (auto), True or False, got {getattr(self, name)!r}")
 
 
 def check_storage_options(storage_options: Any) -> dict[str, Any] | None:

@@ -16,7 +16,8 @@ torch splits each large copy over its own threads. Thousands of small tensors ar
 instead, which torch does not parallelise, so where there are many small ones they are split into chunks copied by
 a few threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies a chunk of its own.
 
-Pipelining: given a :class:`CopyProgress`, the copy runs file image by file image in groups of about
+Pipelining (the manager asks for it where :func:`overlap_pays`, or ``overlap_writes=True``): given a
+:class:`CopyProgress`, the copy runs file image by file image in groups of about
 :data:`PIPELINE_GROUP_BYTES`, in the order the writer threads consume them, and raises each file's watermark after
 each group; a group holding many small tensors is split over the copy threads (above) and its watermark rises when
 every chunk of it has returned. The local tier's writers wait on those watermarks, so they start writing a file's
@@ -31,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import sys
 import threading
 import time
@@ -463,6 +465,17 @@ def destination_views(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int,
                       kinds: list[str]) -> list[torch.Tensor | np.ndarray]:
     """Typed views into the slot for every leaf (cached while the plan, the leaves' kinds and the buffer stay)."""
     return _slot_layout(slot, plan, locations, kinds).views
+
+
+def overlap_pays(writers: int) -> bool:
+    """Whether to write while copying (the ``overlap_writes=None`` rule): only when this process may use as many
+    cores as torch's copy threads and ``writers`` together. On fewer, the writes' kernel work takes cores from the
+    copy that training waits for (2 cores, 2 GiB: 5-15% longer stall for a 4-13% earlier durable checkpoint)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return cores >= torch.get_num_threads() + writers
 
 
 def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], flat: FlatState,
