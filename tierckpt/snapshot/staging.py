@@ -470,7 +470,7 @@ def destination_views(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int,
 def overlap_pays(writers: int) -> bool:
     """Whether to write while copying (the ``overlap_writes=None`` rule): only when this process may use as many
     cores as torch's copy threads and ``writers`` together. On fewer, the writes' kernel work takes cores from the
-    copy that training waits for (2 cores, 2 GiB: 5-15% longer stall for a 4-13% earlier durable checkpoint)."""
+    copy that training waits for (2 cores, 2 GiB: 3-15% longer stall for a 4-13% earlier durable checkpoint)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
