@@ -22,9 +22,9 @@ Pipelining (the manager asks for it where :func:`overlap_pays`, or ``overlap_wri
 each group; a group holding many small tensors is split over the copy threads (above) and its watermark rises when
 every chunk of it has returned. The local tier's writers wait on those watermarks, so they start writing a file's
 first bytes while the rest of the state is still being copied, and durable time is no longer copy time plus write
-time. Invariant: a
-watermark covers only bytes whose copy has returned; a failed copy fails the progress, which wakes every waiter
-with an error, and the slot is released by the writer's job (never while it may still read from it).
+time. Invariant: a watermark covers only bytes whose copy has returned; a failed copy fails the progress, which
+wakes every waiter with an error, and the slot is released by the writer's job (never while it may still read
+from it).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ MAX_COPY_THREADS = 4
 _TENSOR_COST_BYTES = 32 << 10
 #: A pipelined copy raises a file's watermark after about this many bytes of it (see the module docstring).
 PIPELINE_GROUP_BYTES = 32 << 20
-#: A pipelined group is split over the copy threads when it holds at least this many small tensors (one hand-off
-#: per group costs about what copying 50 small tensors does).
+#: A pipelined group is split over the copy threads when it holds at least this many small tensors (not tuned:
+#: below it, the hand-off to another thread is assumed to cost more than it saves).
 PIPELINE_SPLIT_MIN_TENSORS = 64
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 #: ``madvise`` advice (Linux 5.14+) that faults pages in as if written, without changing a byte of them.
