@@ -56,6 +56,17 @@ def cli_output(proc: subprocess.CompletedProcess[str]) -> str:
 # ----------------------------------------------------------------------------------------------------------- layout
 
 
+def save_once(root: Path, state: dict[str, Any], step: int) -> Path:
+    """One durable save of ``state`` as ``step`` in ``root`` (small files, two writers: several data files), by a
+    manager that is closed again; returns ``root``."""
+    import tierckpt
+
+    with tierckpt.CheckpointManager(root, file_size_mb=1, writer_threads=2) as mgr:
+        mgr.save(step, state)
+        mgr.wait()
+    return root
+
+
 def step_path(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:010d}"
 

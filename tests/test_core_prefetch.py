@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from helpers_core import assert_tree_equal, clone_tree, zeros_like_tree
+from helpers_core import assert_tree_equal, clone_tree, save_once, zeros_like_tree
 
 import tierckpt
 from tierckpt.format import layout
@@ -39,10 +39,7 @@ def _state() -> dict:
 
 def _saved(tmp_path) -> tuple[dict, object]:
     state = _state()
-    with tierckpt.CheckpointManager(tmp_path / "ck", file_size_mb=1, writer_threads=2) as mgr:
-        mgr.save(7, state)
-        mgr.wait()
-    return state, tmp_path / "ck"
+    return state, save_once(tmp_path / "ck", state, 7)
 
 
 def test_data_files_of_picks_one_rank_and_save():

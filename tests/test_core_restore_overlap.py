@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal, clone_tree, zeros_like_tree
+from helpers_core import assert_tree_equal, clone_tree, save_once, zeros_like_tree
 
 import tierckpt
 from tierckpt import _restore
@@ -28,10 +28,7 @@ def _state() -> dict:
 @pytest.fixture
 def saved(tmp_path) -> tuple[dict, object]:
     state = _state()
-    with tierckpt.CheckpointManager(tmp_path / "ck", file_size_mb=1, writer_threads=2) as mgr:
-        mgr.save(3, state)
-        mgr.wait()
-    return state, tmp_path / "ck"
+    return state, save_once(tmp_path / "ck", state, 3)
 
 
 class _Reads:
