@@ -6,7 +6,9 @@
 All cases run on the same generated state (see :mod:`state`), once per repeat, in an order rotated every repeat so
 that slow drift of the shared disk spreads over all systems; medians are reported. Each system's numbers are then
 given as ratios to the matching hardware limit (memcpy for the stall, raw write+fsync for durability, raw read for
-loads) and to the best peer. See benchmarks/README.md for what every number means.
+loads) and to the best peer. Every cold load is also given over a raw read of the same number of bytes timed right
+next to it (``cold/adjacent read``), which the disk's drift from case to case cannot skew. See benchmarks/README.md
+for what every number means.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from common import (
 from measure import (
     Ctx,
     Metrics,
+    RefFiles,
     case_hash,
     case_memcpy,
     case_raw_io,
@@ -163,6 +166,9 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
     read_cold = min((v for v in (raw.get("read_cold_1f"), raw.get("read_cold_nf"), raw.get("read_cold_nf_direct"))
                      if v), default=None)
     read_warm = min((v for v in (raw.get("read_warm_1f"), raw.get("read_warm_nf")) if v), default=None)
+    # the same N-file read, timed next to every cold load (measure.cold): the median of the systems' medians
+    adjacent = median([v for m in med.values() for k, v in m.items()
+                       if k.endswith("_ref") and not k.endswith("_vs_ref") and v is not None])
     limits = {
         "memcpy": mem,
         "write": write,
@@ -175,6 +181,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
             for k in ("write_1f", "write_nf", "write_nf_direct", "read_cold_1f", "read_cold_nf",
                       "read_cold_nf_direct", "read_warm_1f", "read_warm_nf")
         },
+        "read_cold_adjacent": adjacent,
     }
     systems = [n for n in med if n not in ("memcpy", "hash", "raw")]
     peers = [n for n in systems if n in PEERS and "error" not in med[n]]
@@ -200,6 +207,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
             "stall_vs_memcpy": ratio(m.get("stall"), mem),
             "durable_vs_write": ratio(m.get("durable"), write),
             "load_cold_vs_read": ratio(m.get("load_cold"), read_cold),
+            "load_cold_vs_ref": m.get("load_cold_vs_ref"),
             "load_warm_vs_read": ratio(m.get("load_warm"), read_warm),
             "stall_vs_best_peer": ratio(m.get("stall"), best_peer["stall"][1]),
             "durable_vs_best_peer": ratio(m.get("durable"), best_peer["durable"][1]),
@@ -213,7 +221,8 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
         rows["tierckpt in_place restore"] = {
             "stall": None, "durable": None, "remote_durable": None, "load_cold": cold, "load_warm": warm,
             "rss_extra": None, "stall_vs_memcpy": None, "durable_vs_write": None,
-            "load_cold_vs_read": ratio(cold, read_cold), "load_warm_vs_read": ratio(warm, read_warm),
+            "load_cold_vs_read": ratio(cold, read_cold), "load_cold_vs_ref": tk.get("load_cold_inplace_vs_ref"),
+            "load_warm_vs_read": ratio(warm, read_warm),
             "stall_vs_best_peer": None, "durable_vs_best_peer": None,
             "load_cold_vs_best_peer": ratio(cold, best_peer["load_cold"][1]),
             "load_warm_vs_best_peer": ratio(warm, best_peer["load_warm"][1]), "error": None,
@@ -246,12 +255,13 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
         "read_cold_nf_direct": "raw read O_DIRECT, N files",
         "read_warm_1f": "raw read, warm cache, 1 file",
         "read_warm_nf": "raw read, warm cache, N files",
+        "read_cold_adjacent": "raw read, cold cache, N files, next to each cold load (median)",
         "hash_1t": "xxh3_128, 1 thread",
         "hash_nt": "xxh3_128, N threads",
     }
     t1 = [[labels[k], lim.get(k), gbps.get(k)] for k in labels]
     heads = ["system", "stall s", "durable s", "remote s", "load cold s", "load warm s", "extra RSS GiB",
-             "stall/memcpy", "durable/write", "cold/read", "warm/read"]  # fmt: skip
+             "stall/memcpy", "durable/write", "cold/read", "cold/adjacent read", "warm/read"]  # fmt: skip
     t2 = []
     for n, r in d["systems"].items():
         if r.get("error"):
@@ -259,7 +269,7 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             continue
         rss = r["rss_extra"] / GiB if r.get("rss_extra") is not None else None
         t2.append([n, r["stall"], r["durable"], r["remote_durable"], r["load_cold"], r["load_warm"], rss, r["stall_vs_memcpy"],
-                   r["durable_vs_write"], r["load_cold_vs_read"], r["load_warm_vs_read"]])  # fmt: skip
+                   r["durable_vs_write"], r["load_cold_vs_read"], r.get("load_cold_vs_ref"), r["load_warm_vs_read"]])  # fmt: skip
     bp = d["best_peer"]
     t3 = []
     for n in ("tierckpt", "tierckpt+overlap", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
@@ -282,12 +292,15 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             ["steady save: durable p50 s", tk.get("durable")],
             ["steady save: durable (library's own clock) s", tk.get("durable_lib")],
             ["restore cold s (verified)", tk.get("load_cold")],
+            ["restore cold / raw read next to it (median of the repeats' ratios)", tk.get("load_cold_vs_ref")],
             ["restore warm s (verified)", tk.get("load_warm")],
             ["restore returned the last step, values equal", f"{tk.get('restored_step_ok')}, {tk.get('load_ok')}"],
             ["peak extra RSS during saves / state bytes", ratio(tk.get("rss_extra"), nbytes)],
             ["RSS growth 2nd -> last save MiB", (tk["rss_growth_steady"] / (1 << 20)) if tk.get("rss_growth_steady") is not None else None],
             ["peak extra RSS during restore MiB", (tk["rss_extra_restore"] / (1 << 20)) if tk.get("rss_extra_restore") is not None else None],
             ["restore in_place=True cold s (verified)", tk.get("load_cold_inplace")],
+            ["restore in_place=True cold / raw read next to it (median of the repeats' ratios)",
+             tk.get("load_cold_inplace_vs_ref")],
             ["restore in_place=True warm s (verified)", tk.get("load_warm_inplace")],
             ["restore in_place=True: right step, values equal", tk.get("load_inplace_ok")],
             ["peak extra RSS during in_place restore MiB", (tk["rss_extra_restore_inplace"] / (1 << 20)) if tk.get("rss_extra_restore_inplace") is not None else None],
@@ -396,7 +409,14 @@ def main_bench(args: argparse.Namespace) -> dict[str, Any]:
         cases = build_cases(
             tierckpt=tc is not None, remote=not args.no_remote, s3=s3 is not None, peers=peers, overlap=True
         )
-        res = run_suite(ctx, cases, args.repeats)
+        if not args.no_adjacent_read:
+            log("writing the reference files for the raw read next to each cold load")
+            ctx.ref = RefFiles.create(ctx)
+        try:
+            res = run_suite(ctx, cases, args.repeats)
+        finally:
+            if ctx.ref is not None:
+                ctx.ref.remove()
     d = derive(res["medians"], desc["bytes"])
     tables = report_tables(d, res["medians"])
     drop = drop_caches_status()
@@ -611,6 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-s3", action="store_true", help="skip the S3 loopback case")
     p.add_argument("--tierckpt-opt", action="append", default=[], metavar="K=V",
                    help="extra CheckpointManager keyword (repeatable), e.g. writer_threads=4")  # fmt: skip
+    p.add_argument("--no-adjacent-read", action="store_true",
+                   help="do not time a raw read next to every cold load (saves a raw read per load)")  # fmt: skip
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="before each case wait up to this many s for other processes to go quiet (0: never)")  # fmt: skip
     p.add_argument("--scaling", action="store_true", help="run the size and tensor-count sweeps instead")

@@ -13,16 +13,22 @@ Metric names shared across systems (so that they line up in one table):
 - ``load_cold`` / ``load_warm``: loading into the preallocated state with the page cache dropped / warm
   (tierckpt: the default restore, verified in a staging buffer first; ``load_*_inplace``: ``in_place=True``).
 - ``rss_extra``: peak RSS during the case minus RSS before it (sampled every 20 ms).
+- ``load_cold_ref`` (and ``load_cold_inplace_ref``): with reference files (:class:`RefFiles`), a raw cold read of
+  the same number of bytes timed right next to that cold load, before it or after it in turn; ``*_vs_ref`` is the
+  load's time over it, per repeat. The limit is then measured seconds, not minutes, from the load it is compared
+  with, so that the disk's drift between cases (this shared disk's reads vary by 10-25% from one minute to the
+  next) cancels in the ratio.
 
 Before every timed write or cold read the disk is let go quiet (:func:`common.disk_idle`), for every system alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -71,6 +77,8 @@ class Ctx:
     s3: dict[str, Any] | None = None  # from common.s3_loopback
     repeat: int = 0
     quiet_wait: float = 0.0  # seconds to wait for other processes to go quiet before each case
+    ref: RefFiles | None = None  # reference files for the raw read timed next to every cold load
+    ref_turns: int = 0  # cold loads paired so far (the reference read goes first on even turns)
     _tensors: list[torch.Tensor] | None = None
     _dst_tensors: list[torch.Tensor] | None = None
 
@@ -98,17 +106,66 @@ class Ctx:
         return states_equal(self.state, self.dst)
 
 
-def _loads(ctx: Ctx, out: Metrics, load: Callable[[], None]) -> None:
-    """Time ``load`` twice, with the page cache dropped and then warm; verify the first result."""
-    if not ctx.loads:
-        return
+@dataclass
+class RefFiles:
+    """The state's bytes in ``len(paths)`` files, written once (buffered, fsynced) before a run's first case and
+    kept to its end: what the raw cold read timed next to every cold load reads (:func:`cold`). It reads into the
+    target state (``ctx.dst``), so it needs no memory of its own, and it is the ``read_cold_nf`` limit's read."""
+
+    paths: list[Path]
+    groups: list[list[int]]
+
+    @classmethod
+    def create(cls, ctx: Ctx) -> RefFiles:
+        d = fresh_dir(ctx.scratch, "ref")
+        groups = split_balanced(ctx.src_list, ctx.threads)
+        paths = [d / f"ref{g}.bin" for g in range(len(groups))]
+        parallel(lambda g: write_file(paths[g], [ctx.src_list[i] for i in groups[g]]), len(groups))
+        fsync_path(paths[0])
+        return cls(paths, groups)
+
+    def read(self, ctx: Ctx) -> float:
+        """Seconds for a cold read of the files into ``ctx.dst`` (page cache dropped, disk quiet first)."""
+        drop_caches()
+        disk_idle(ctx.scratch)
+        t0 = time.perf_counter()
+        parallel(lambda g: read_file_into(self.paths[g], [ctx.dst_list[i] for i in self.groups[g]]), len(self.paths))
+        return time.perf_counter() - t0
+
+    def remove(self) -> None:
+        remove(self.paths[0].parent)
+
+
+@contextlib.contextmanager
+def cold(ctx: Ctx, out: Metrics, key: str) -> Iterator[None]:
+    """Around one cold load that the body times as ``out[key]`` (and checks, before this returns): the target
+    cleared, the page cache dropped and the disk let go quiet first; with ``ctx.ref``, the reference read timed
+    as ``out[key + "_ref"]`` right before the load or right after it (every other time), and their ratio as
+    ``out[key + "_vs_ref"]``."""
+    first = ctx.ref is not None and ctx.ref_turns % 2 == 0
+    ctx.ref_turns += 1
+    if first:
+        assert ctx.ref is not None
+        out[f"{key}_ref"] = ctx.ref.read(ctx)
     ctx.clear_dst()
     settle()
     out["cold_cache"] = drop_caches()
     disk_idle(ctx.scratch)
-    with timed(out, "load_cold"):
-        load()
-    out["load_ok"] = ctx.verify()
+    yield
+    if ctx.ref is not None and not first:
+        out[f"{key}_ref"] = ctx.ref.read(ctx)  # overwrites the target: the body has checked it already
+    if f"{key}_ref" in out and key in out:
+        out[f"{key}_vs_ref"] = out[key] / out[f"{key}_ref"]
+
+
+def _loads(ctx: Ctx, out: Metrics, load: Callable[[], None]) -> None:
+    """Time ``load`` twice, with the page cache dropped and then warm; verify the first result."""
+    if not ctx.loads:
+        return
+    with cold(ctx, out, "load_cold"):
+        with timed(out, "load_cold"):
+            load()
+        out["load_ok"] = ctx.verify()
     with timed(out, "load_warm"):
         load()
 
@@ -443,28 +500,22 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
         if ctx.loads:
             mgr = tc.CheckpointManager(d / "local", **ctx.tierckpt_kwargs)
             try:
-                ctx.clear_dst()
-                settle()
-                out["cold_cache"] = drop_caches()
-                disk_idle(d)
-                base = rss_bytes()
-                with RssSampler(0.02) as rss2, timed(out, "load_cold"):
-                    step = mgr.restore(ctx.dst)
-                out["rss_extra_restore"] = rss2.peak - base
-                out["restored_step_ok"] = step == ctx.saves
-                out["load_ok"] = ctx.verify()
+                with cold(ctx, out, "load_cold"):
+                    base = rss_bytes()
+                    with RssSampler(0.02) as rss2, timed(out, "load_cold"):
+                        step = mgr.restore(ctx.dst)
+                    out["rss_extra_restore"] = rss2.peak - base
+                    out["restored_step_ok"] = step == ctx.saves
+                    out["load_ok"] = ctx.verify()
                 with timed(out, "load_warm"):
                     mgr.restore(ctx.dst)
                 # in_place=True: bytes read straight into the destination tensors (still verified)
-                ctx.clear_dst()
-                settle()
-                drop_caches()
-                disk_idle(d)
-                base = rss_bytes()
-                with RssSampler(0.02) as rss3, timed(out, "load_cold_inplace"):
-                    step = mgr.restore(ctx.dst, in_place=True)
-                out["rss_extra_restore_inplace"] = rss3.peak - base
-                out["load_inplace_ok"] = step == ctx.saves and ctx.verify() is not False
+                with cold(ctx, out, "load_cold_inplace"):
+                    base = rss_bytes()
+                    with RssSampler(0.02) as rss3, timed(out, "load_cold_inplace"):
+                        step = mgr.restore(ctx.dst, in_place=True)
+                    out["rss_extra_restore_inplace"] = rss3.peak - base
+                    out["load_inplace_ok"] = step == ctx.saves and ctx.verify() is not False
                 with timed(out, "load_warm_inplace"):
                     mgr.restore(ctx.dst, in_place=True)
             finally:

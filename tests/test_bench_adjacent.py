@@ -1,0 +1,92 @@
+"""The benchmark's raw read timed next to every cold load (benchmarks/measure.cold) and its summary (bench.derive).
+
+The benchmark scripts are not a package; these tests put benchmarks/ on the path the way its scripts do.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+bench = pytest.importorskip("bench")
+measure = pytest.importorskip("measure")
+
+
+class _Ref:
+    """Stands in for RefFiles: logs when it reads, and fills the target the way the real read does."""
+
+    def __init__(self, log: list[str], seconds: float) -> None:
+        self.log, self.seconds = log, seconds
+
+    def read(self, ctx: object) -> float:
+        self.log.append("ref")
+        for t in ctx.dst_list:  # type: ignore[attr-defined]
+            t.fill_(7)
+        return self.seconds
+
+
+def _ctx(tmp_path: Path) -> object:
+    state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10, dtype=torch.bfloat16)}
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    return measure.Ctx(state=state, dst=dst, scratch=tmp_path)
+
+
+def test_reference_read_alternates_around_the_load_and_never_under_its_check(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    log: list[str] = []
+    ctx.ref = _Ref(log, 2.0)
+    seen: list[bool] = []
+    for _ in range(4):
+        out: dict[str, object] = {}
+        with measure.cold(ctx, out, "load_cold"):
+            log.append("load")
+            assert all(int(t.count_nonzero()) == 0 for t in ctx.dst_list)  # cleared after a reference read
+            for s, d in zip(ctx.src_list, ctx.dst_list, strict=True):
+                d.copy_(s)
+            out["load_cold"] = 1.0
+            seen.append(ctx.verify())  # the check runs before a reference read may overwrite the target
+        assert out["load_cold_ref"] == 2.0
+        assert out["load_cold_vs_ref"] == pytest.approx(0.5)
+    assert log == ["ref", "load", "load", "ref", "ref", "load", "load", "ref"]
+    assert seen == [True] * 4
+
+
+def test_without_reference_files_nothing_is_paired(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    out: dict[str, object] = {}
+    with measure.cold(ctx, out, "load_cold"):
+        out["load_cold"] = 1.0
+    assert "load_cold_ref" not in out and "load_cold_vs_ref" not in out
+
+
+def test_reference_files_read_back_the_state(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    ref = measure.RefFiles.create(ctx)
+    try:
+        assert sum(p.stat().st_size for p in ref.paths) == sum(t.nbytes for t in ctx.src_list)
+        assert ref.read(ctx) > 0
+        assert ctx.verify() is True
+    finally:
+        ref.remove()
+    assert not ref.paths[0].parent.exists()
+
+
+def test_derive_reports_the_paired_ratios_and_the_adjacent_read(tmp_path: Path) -> None:
+    med = {
+        "raw": {"read_cold_nf": 1.0, "read_cold_1f": 1.2, "write_nf": 2.0},
+        "torch.save": {"load_cold": 3.0, "load_cold_ref": 1.5, "load_cold_vs_ref": 2.0},
+        "tierckpt": {"load_cold": 2.0, "load_cold_ref": 1.3, "load_cold_vs_ref": 1.54,
+                     "load_cold_inplace": 1.4, "load_cold_inplace_ref": 1.4, "load_cold_inplace_vs_ref": 1.0},
+    }  # fmt: skip
+    d = bench.derive(med, 1 << 30)
+    assert d["limits"]["read_cold"] == 1.0
+    assert d["limits"]["read_cold_adjacent"] == 1.4  # the median of 1.5, 1.3 and 1.4; no ratio among them
+    assert d["systems"]["tierckpt"]["load_cold_vs_read"] == pytest.approx(2.0)
+    assert d["systems"]["tierckpt"]["load_cold_vs_ref"] == 1.54
+    assert d["systems"]["tierckpt in_place restore"]["load_cold_vs_ref"] == 1.0
+    assert d["systems"]["torch.save"]["load_cold_vs_ref"] == 2.0
