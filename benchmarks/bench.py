@@ -144,7 +144,9 @@ def summarize(runs: list[Metrics]) -> Metrics:
     keys = {k for m in runs for k in m}
     for k in sorted(keys):
         vals = [m[k] for m in runs if k in m]
-        if all(isinstance(v, bool) or v is None for v in vals):
+        if all(isinstance(v, list) for v in vals):  # samples of every repeat (e.g. restore pairs): pooled
+            out[k] = [x for v in vals for x in v]
+        elif all(isinstance(v, bool) or v is None for v in vals):
             known = [v for v in vals if v is not None]
             out[k] = all(known) if known else None
         elif all(isinstance(v, (int, float)) for v in vals):
@@ -154,6 +156,20 @@ def summarize(runs: list[Metrics]) -> Metrics:
         else:
             out[k] = next((v for v in vals if isinstance(v, str)), vals[0])
     return out
+
+
+def paired_ratios(pairs: list[list[float]] | None) -> dict[str, float] | None:
+    """Median and quartiles of load / adjacent read over (load, read) pairs (``None`` without any)."""
+    ratios = sorted(a / b for a, b in pairs or [] if a and b)
+    if not ratios:
+        return None
+
+    def q(f: float) -> float:  # linear interpolation between the closest ranks
+        x = f * (len(ratios) - 1)
+        lo = int(x)
+        return ratios[lo] + (ratios[min(lo + 1, len(ratios) - 1)] - ratios[lo]) * (x - lo)
+
+    return {"n": len(ratios), "median": q(0.5), "q1": q(0.25), "q3": q(0.75), "min": ratios[0], "max": ratios[-1]}
 
 
 def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
@@ -216,12 +232,14 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
             "error": m.get("error"),
         }
     tk = med.get("tierckpt", {})
+    pooled = paired_ratios(tk.get("load_cold_inplace_pairs"))
     if tk.get("load_cold_inplace") is not None:  # restore(in_place=True) as its own row, loads only
         cold, warm = tk["load_cold_inplace"], tk.get("load_warm_inplace")
         rows["tierckpt in_place restore"] = {
             "stall": None, "durable": None, "remote_durable": None, "load_cold": cold, "load_warm": warm,
             "rss_extra": None, "stall_vs_memcpy": None, "durable_vs_write": None,
-            "load_cold_vs_read": ratio(cold, read_cold), "load_cold_vs_ref": tk.get("load_cold_inplace_vs_ref"),
+            "load_cold_vs_read": ratio(cold, read_cold),
+            "load_cold_vs_ref": pooled["median"] if pooled else tk.get("load_cold_inplace_vs_ref"),
             "load_warm_vs_read": ratio(warm, read_warm),
             "stall_vs_best_peer": None, "durable_vs_best_peer": None,
             "load_cold_vs_best_peer": ratio(cold, best_peer["load_cold"][1]),
@@ -229,6 +247,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
         }  # fmt: skip
     return {
         "bytes": nbytes,
+        "inplace_pairs": pooled,
         "limits": limits,
         "limits_gbps": {k: (nbytes / v / 1e9 if v else None) for k, v in limits.items()},
         "best_peer": {k: {"system": p, "seconds": v} for k, (p, v) in best_peer.items()},
@@ -301,6 +320,8 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             ["restore in_place=True cold s (verified)", tk.get("load_cold_inplace")],
             ["restore in_place=True cold / raw read next to it (median of the repeats' ratios)",
              tk.get("load_cold_inplace_vs_ref")],
+            ["restore in_place=True cold / raw read next to it, all pairs: median (quartiles; pairs)",
+             "-" if not d.get("inplace_pairs") else "{median:.3f} ({q1:.3f}-{q3:.3f}; {n})".format(**d["inplace_pairs"])],
             ["restore in_place=True warm s (verified)", tk.get("load_warm_inplace")],
             ["restore in_place=True: right step, values equal", tk.get("load_inplace_ok")],
             ["peak extra RSS during in_place restore MiB", (tk["rss_extra_restore_inplace"] / (1 << 20)) if tk.get("rss_extra_restore_inplace") is not None else None],
@@ -405,7 +426,7 @@ def main_bench(args: argparse.Namespace) -> dict[str, Any]:
     peers = None if args.peers is None else [p.strip() for p in args.peers.split(",") if p.strip()]
     with maybe_s3(tc is not None and not args.no_s3) as s3:
         ctx = Ctx(state, dst, scratch, threads=args.threads, tierckpt=tc, tierckpt_kwargs=parse_kv(args.tierckpt_opt),
-                  saves=args.saves, s3=s3, quiet_wait=args.quiet_wait)  # fmt: skip
+                  saves=args.saves, s3=s3, quiet_wait=args.quiet_wait, restore_pairs=args.restore_pairs)  # fmt: skip
         cases = build_cases(
             tierckpt=tc is not None, remote=not args.no_remote, s3=s3 is not None, peers=peers, overlap=True
         )
@@ -633,6 +654,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra CheckpointManager keyword (repeatable), e.g. writer_threads=4")  # fmt: skip
     p.add_argument("--no-adjacent-read", action="store_true",
                    help="do not time a raw read next to every cold load (saves a raw read per load)")  # fmt: skip
+    p.add_argument("--restore-pairs", type=int, default=None,
+                   help="cold in-place restores per repeat, each next to a raw read (default 4; 1 with --quick)")  # fmt: skip
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="before each case wait up to this many s for other processes to go quiet (0: never)")  # fmt: skip
     p.add_argument("--scaling", action="store_true", help="run the size and tensor-count sweeps instead")
@@ -652,6 +675,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.repeats = 1 if a.quick or a.scaling else 3
     if a.saves is None:
         a.saves = 2 if a.quick else 4
+    if a.restore_pairs is None:
+        a.restore_pairs = 1 if a.quick else 4
+    if a.restore_pairs < 1:
+        p.error("--restore-pairs must be at least 1")
     if a.scaling and a.plot is None:
         from common import REPO_ROOT
 

@@ -90,3 +90,20 @@ def test_derive_reports_the_paired_ratios_and_the_adjacent_read(tmp_path: Path) 
     assert d["systems"]["tierckpt"]["load_cold_vs_ref"] == 1.54
     assert d["systems"]["tierckpt in_place restore"]["load_cold_vs_ref"] == 1.0
     assert d["systems"]["torch.save"]["load_cold_vs_ref"] == 2.0
+
+
+def test_restore_pairs_are_pooled_over_repeats_and_summarized() -> None:
+    runs = [{"load_cold_inplace_pairs": [(1.0, 1.0), (2.2, 2.0)]}, {"load_cold_inplace_pairs": [(0.9, 1.0)]},
+            {"load_cold_inplace_pairs": [(1.5, 1.0), (3.0, 2.0)]}]  # fmt: skip
+    med = bench.summarize(runs)
+    assert med["load_cold_inplace_pairs"] == [(1.0, 1.0), (2.2, 2.0), (0.9, 1.0), (1.5, 1.0), (3.0, 2.0)]
+    p = bench.paired_ratios(med["load_cold_inplace_pairs"])
+    assert p is not None
+    assert p["n"] == 5 and p["min"] == 0.9 and p["max"] == 1.5
+    assert p["median"] == pytest.approx(1.1)  # ratios 0.9, 1.0, 1.1, 1.5, 1.5
+    assert (p["q1"], p["q3"]) == (pytest.approx(1.0), pytest.approx(1.5))
+    assert bench.paired_ratios([(1.0, None)]) is None and bench.paired_ratios(None) is None
+    d = bench.derive({"raw": {"read_cold_nf": 1.0},
+                      "tierckpt": {"load_cold_inplace": 1.3, "load_cold_inplace_vs_ref": 1.3, **med}}, 1 << 30)  # fmt: skip
+    assert d["systems"]["tierckpt in_place restore"]["load_cold_vs_ref"] == pytest.approx(1.1)  # pooled, not 1.3
+    assert d["inplace_pairs"]["n"] == 5
