@@ -185,6 +185,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
     # the same N-file read, timed next to every cold load (measure.cold): the median of the systems' medians
     adjacent = median([v for m in med.values() for k, v in m.items()
                        if k.endswith("_ref") and not k.endswith("_vs_ref") and v is not None])
+    adjacent_write = median([w for m in med.values() for _, w in m.get("durable_pairs") or []])
     limits = {
         "memcpy": mem,
         "write": write,
@@ -198,6 +199,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
                       "read_cold_nf_direct", "read_warm_1f", "read_warm_nf")
         },
         "read_cold_adjacent": adjacent,
+        "write_adjacent": adjacent_write,
     }
     systems = [n for n in med if n not in ("memcpy", "hash", "raw")]
     peers = [n for n in systems if n in PEERS and "error" not in med[n]]
@@ -231,6 +233,10 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
             "load_warm_vs_best_peer": ratio(m.get("load_warm"), best_peer["load_warm"][1]),
             "error": m.get("error"),
         }
+    for n in systems:  # saves with the write limit timed next to each (measure.case_tierckpt), pooled
+        durable_pooled = paired_ratios(med[n].get("durable_pairs"))
+        rows[n]["durable_vs_ref"] = durable_pooled["median"] if durable_pooled else None
+        rows[n]["durable_pairs"] = durable_pooled
     tk = med.get("tierckpt", {})
     pooled = paired_ratios(tk.get("load_cold_inplace_pairs"))
     if tk.get("load_cold_inplace") is not None:  # restore(in_place=True) as its own row, loads only
@@ -260,6 +266,10 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _quartiles(p: dict[str, float] | None) -> str:
+    return "-" if not p else "{median:.3f} ({q1:.3f}-{q3:.3f}; {n})".format(**p)
+
+
 def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str, list[str], list[list[Any]]]]:
     """(title, headers, rows) for the limits, the systems with ratios, and tierckpt's details."""
     nbytes = d["bytes"]
@@ -275,12 +285,14 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
         "read_warm_1f": "raw read, warm cache, 1 file",
         "read_warm_nf": "raw read, warm cache, N files",
         "read_cold_adjacent": "raw read, cold cache, N files, next to each cold load (median)",
+        "write_adjacent": "raw write O_DIRECT + fsync, N files, next to each steady tierckpt save (median)",
         "hash_1t": "xxh3_128, 1 thread",
         "hash_nt": "xxh3_128, N threads",
     }
     t1 = [[labels[k], lim.get(k), gbps.get(k)] for k in labels]
     heads = ["system", "stall s", "durable s", "remote s", "load cold s", "load warm s", "extra RSS GiB",
-             "stall/memcpy", "durable/write", "cold/read", "cold/adjacent read", "warm/read"]  # fmt: skip
+             "stall/memcpy", "durable/write", "durable/adjacent write", "cold/read", "cold/adjacent read",
+             "warm/read"]  # fmt: skip
     t2 = []
     for n, r in d["systems"].items():
         if r.get("error"):
@@ -288,7 +300,8 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             continue
         rss = r["rss_extra"] / GiB if r.get("rss_extra") is not None else None
         t2.append([n, r["stall"], r["durable"], r["remote_durable"], r["load_cold"], r["load_warm"], rss, r["stall_vs_memcpy"],
-                   r["durable_vs_write"], r["load_cold_vs_read"], r.get("load_cold_vs_ref"), r["load_warm_vs_read"]])  # fmt: skip
+                   r["durable_vs_write"], r.get("durable_vs_ref"), r["load_cold_vs_read"], r.get("load_cold_vs_ref"),
+                   r["load_warm_vs_read"]])  # fmt: skip
     bp = d["best_peer"]
     t3 = []
     for n in ("tierckpt", "tierckpt+overlap", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
@@ -310,6 +323,8 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             ["steady save: stall max s", tk.get("stall_max")],
             ["steady save: durable p50 s", tk.get("durable")],
             ["steady save: durable (library's own clock) s", tk.get("durable_lib")],
+            ["steady save: durable / raw write next to it, all pairs: median (quartiles; pairs)",
+             _quartiles(d["systems"].get("tierckpt", {}).get("durable_pairs"))],
             ["restore cold s (verified)", tk.get("load_cold")],
             ["restore cold / raw read next to it (median of the repeats' ratios)", tk.get("load_cold_vs_ref")],
             ["restore warm s (verified)", tk.get("load_warm")],
@@ -321,7 +336,7 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             ["restore in_place=True cold / raw read next to it (median of the repeats' ratios)",
              tk.get("load_cold_inplace_vs_ref")],
             ["restore in_place=True cold / raw read next to it, all pairs: median (quartiles; pairs)",
-             "-" if not d.get("inplace_pairs") else "{median:.3f} ({q1:.3f}-{q3:.3f}; {n})".format(**d["inplace_pairs"])],
+             _quartiles(d.get("inplace_pairs"))],
             ["restore in_place=True warm s (verified)", tk.get("load_warm_inplace")],
             ["restore in_place=True: right step, values equal", tk.get("load_inplace_ok")],
             ["peak extra RSS during in_place restore MiB", (tk["rss_extra_restore_inplace"] / (1 << 20)) if tk.get("rss_extra_restore_inplace") is not None else None],

@@ -19,6 +19,9 @@ Metric names shared across systems (so that they line up in one table):
   with, so that the disk's drift between cases (this shared disk's reads vary by 10-25% from one minute to the
   next) cancels in the ratio. ``load_cold_inplace_pairs``: (restore, adjacent read) seconds of every cold in-place
   restore of the repeat (``Ctx.restore_pairs`` of them); the driver pools them over the repeats.
+- ``durable_pairs`` (tierckpt): (durable, adjacent write) seconds of every steady-state save, the adjacent write
+  being the write limit's fastest way here (``O_DIRECT``, N files, fsync; :meth:`RefFiles.write`) timed right
+  before or right after that save in turn; pooled over the repeats too.
 
 Before every timed write or cold read the disk is let go quiet (:func:`common.disk_idle`), for every system alike.
 """
@@ -116,6 +119,8 @@ class RefFiles:
 
     paths: list[Path]
     groups: list[list[int]]
+    #: the same bytes in page-aligned buffers, made once (before any RSS is sampled), for :meth:`write`
+    aligned: list[memoryview] | None = None
 
     @classmethod
     def create(cls, ctx: Ctx) -> RefFiles:
@@ -124,7 +129,31 @@ class RefFiles:
         paths = [d / f"ref{g}.bin" for g in range(len(groups))]
         parallel(lambda g: write_file(paths[g], [ctx.src_list[i] for i in groups[g]]), len(groups))
         fsync_path(paths[0])
-        return cls(paths, groups)
+        aligned = None
+        if hasattr(os, "O_DIRECT"):
+            aligned = [pack_aligned([ctx.src_list[i] for i in g]) for g in groups]
+        return cls(paths, groups, aligned)
+
+    def write(self, ctx: Ctx) -> float | None:
+        """Seconds for the write limit's fastest way here: the state's bytes written with ``O_DIRECT`` from the
+        page-aligned buffers into N new files on N threads, then fsynced, on a quiet disk; the files are removed
+        afterwards (untimed). ``None`` where the file system refuses ``O_DIRECT``."""
+        if self.aligned is None:
+            return None
+        aligned = self.aligned
+        paths = [self.paths[0].parent / f"w{g}.bin" for g in range(len(aligned))]
+        disk_idle(ctx.scratch)
+        try:
+            t0 = time.perf_counter()
+            parallel(lambda g: write_file_direct(paths[g], aligned[g]), len(aligned))
+            fsync_path(paths[0])  # the folder entry, as the raw case does
+            return time.perf_counter() - t0
+        except OSError:  # EINVAL: no O_DIRECT on this file system
+            self.aligned = None
+            return None
+        finally:
+            for p in paths:
+                remove(p)
 
     def read(self, ctx: Ctx) -> float:
         """Seconds for a cold read of the files into ``ctx.dst`` (page cache dropped, disk quiet first)."""
@@ -473,11 +502,17 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
         durables: list[float] = []
         lib_durables: list[float] = []
         rss_after: list[int] = []
+        durable_pairs: list[tuple[float, float]] = []
         base = rss_bytes()
         with RssSampler(0.02) as rss:
             mgr = tc.CheckpointManager(d / "local", **ctx.tierckpt_kwargs)
             try:
                 for k in range(ctx.saves):
+                    # steady-state saves get the write limit timed next to them, before or after in turn
+                    ref = ctx.ref if k > 0 else None
+                    first = ref is not None and ctx.ref_turns % 2 == 0
+                    ctx.ref_turns += ref is not None
+                    wref = ref.write(ctx) if ref is not None and first else None
                     disk_idle(d)  # the previous save's retention deleted a step: its discards finish first
                     t0 = time.perf_counter()
                     h = mgr.save(k + 1, ctx.state)
@@ -486,6 +521,10 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
                     lib_durables.append(float(h.persisted.result()))
                     mgr.wait()
                     rss_after.append(rss_bytes())
+                    if ref is not None and not first:
+                        wref = ref.write(ctx)
+                    if wref is not None:
+                        durable_pairs.append((durables[-1], wref))
             finally:
                 mgr.close()
         out["rss_extra"] = rss.peak - base
@@ -497,6 +536,8 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
         out["durable"] = median(durables[1:] or durables)
         out["durable_lib"] = median(lib_durables[1:] or lib_durables)
         out["rss_growth_steady"] = rss_after[-1] - rss_after[1] if len(rss_after) > 2 else None
+        if durable_pairs:
+            out["durable_pairs"] = durable_pairs
         del mgr
         settle()
         if ctx.loads:

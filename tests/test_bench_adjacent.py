@@ -71,6 +71,9 @@ def test_reference_files_read_back_the_state(tmp_path: Path) -> None:
         assert sum(p.stat().st_size for p in ref.paths) == sum(t.nbytes for t in ctx.src_list)
         assert ref.read(ctx) > 0
         assert ctx.verify() is True
+        seconds = ref.write(ctx)  # None only where the file system refuses O_DIRECT
+        assert seconds is None or seconds > 0
+        assert sorted(p.name for p in ref.paths[0].parent.iterdir()) == sorted(p.name for p in ref.paths)
     finally:
         ref.remove()
     assert not ref.paths[0].parent.exists()
@@ -107,3 +110,16 @@ def test_restore_pairs_are_pooled_over_repeats_and_summarized() -> None:
                       "tierckpt": {"load_cold_inplace": 1.3, "load_cold_inplace_vs_ref": 1.3, **med}}, 1 << 30)  # fmt: skip
     assert d["systems"]["tierckpt in_place restore"]["load_cold_vs_ref"] == pytest.approx(1.1)  # pooled, not 1.3
     assert d["inplace_pairs"]["n"] == 5
+
+
+def test_derive_pools_the_saves_next_to_their_write_limit() -> None:
+    med = {"raw": {"write_nf_direct": 1.0},
+           "tierckpt": bench.summarize([{"durable": 1.3, "durable_pairs": [(1.3, 1.0), (1.2, 1.2)]},
+                                        {"durable": 1.1, "durable_pairs": [(1.1, 1.1)]}]),
+           "tierckpt+overlap": {"durable": 1.2}}  # fmt: skip
+    d = bench.derive(med, 1 << 30)
+    t = d["systems"]["tierckpt"]
+    assert t["durable_vs_write"] == pytest.approx(1.2)  # the median of the repeats' durable times over the limit
+    assert t["durable_vs_ref"] == pytest.approx(1.0) and t["durable_pairs"]["n"] == 3  # ratios 1.3, 1.0, 1.0
+    assert d["systems"]["tierckpt+overlap"]["durable_vs_ref"] is None
+    assert d["limits"]["write_adjacent"] == pytest.approx(1.1)

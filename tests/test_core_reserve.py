@@ -36,6 +36,26 @@ def test_the_first_save_reuses_the_reserved_buffer(tmp_path):
     assert_tree_equal(target, state)
 
 
+@pytest.mark.parametrize("writer_threads", [1, 2])
+def test_the_first_save_after_a_restore_reuses_the_restore_buffer(tmp_path, writer_threads):
+    """A restarted job restores, then saves: the default restore's staging buffer serves that save (no second
+    state-sized allocation and first touch)."""
+    state = _state()
+    with tierckpt.CheckpointManager(tmp_path / "ck", writer_threads=writer_threads) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    with tierckpt.CheckpointManager(tmp_path / "ck", writer_threads=writer_threads) as mgr:
+        target = zeros_like_tree(state)
+        assert mgr.restore(target) == 1
+        assert mgr._pool.allocations == 1
+        mgr.save(2, target)
+        mgr.wait()
+        assert mgr._pool.allocations == 1, "the first save after the restore allocated a buffer of its own"
+        again = zeros_like_tree(state)
+        assert mgr.restore(again) == 2
+    assert_tree_equal(again, state)
+
+
 def test_a_save_that_comes_first_waits_for_the_reserved_slot(tmp_path, monkeypatch):
     state = _state()
     entered, calls = threading.Event(), []
