@@ -82,7 +82,7 @@ class Ctx:
     repeat: int = 0
     quiet_wait: float = 0.0  # seconds to wait for other processes to go quiet before each case
     ref: RefFiles | None = None  # reference files for the raw read timed next to every cold load
-    ref_turns: int = 0  # cold loads paired so far (the reference read goes first on even turns)
+    ref_turns: int = 0  # loads and saves paired so far (the reference read or write goes first on even turns)
     restore_pairs: int = 1  # cold in-place restores per repeat in case_tierckpt, each with its adjacent read
     _tensors: list[torch.Tensor] | None = None
     _dst_tensors: list[torch.Tensor] | None = None
@@ -114,8 +114,10 @@ class Ctx:
 @dataclass
 class RefFiles:
     """The state's bytes in ``len(paths)`` files, written once (buffered, fsynced) before a run's first case and
-    kept to its end: what the raw cold read timed next to every cold load reads (:func:`cold`). It reads into the
-    target state (``ctx.dst``), so it needs no memory of its own, and it is the ``read_cold_nf`` limit's read."""
+    kept to its end: what the raw cold read timed next to every cold load reads (:func:`cold`), the
+    ``read_cold_nf`` limit's read. It reads into the target state (``ctx.dst``), so the reads need no memory of
+    their own; the writes timed next to tierckpt's saves (:meth:`write`) come from page-aligned copies of the
+    state made once here (state-sized memory, held to the end of the run)."""
 
     paths: list[Path]
     groups: list[list[int]]
