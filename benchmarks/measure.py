@@ -111,6 +111,24 @@ class Ctx:
         return states_equal(self.state, self.dst)
 
 
+def _write_files(ctx: Ctx, paths: list[Path], groups: list[list[int]]) -> None:
+    """The N-file raw write: each group's tensors back to back into its file on a thread of its own, each file
+    fsynced, then the folder entry."""
+    parallel(lambda g: write_file(paths[g], [ctx.src_list[i] for i in groups[g]]), len(paths))
+    fsync_path(paths[0])
+
+
+def _write_files_direct(paths: list[Path], bufs: list[memoryview]) -> None:
+    """The N-file raw write with ``O_DIRECT`` from page-aligned buffers (one a file, a thread each), fsynced."""
+    parallel(lambda g: write_file_direct(paths[g], bufs[g]), len(paths))
+    fsync_path(paths[0])
+
+
+def _read_files(ctx: Ctx, paths: list[Path], groups: list[list[int]]) -> None:
+    """The N-file raw read: each file into its group's target tensors, a thread each."""
+    parallel(lambda g: read_file_into(paths[g], [ctx.dst_list[i] for i in groups[g]]), len(paths))
+
+
 @dataclass
 class RefFiles:
     """The state's bytes in ``len(paths)`` files, written once (buffered, fsynced) before a run's first case and
@@ -129,8 +147,7 @@ class RefFiles:
         d = fresh_dir(ctx.scratch, "ref")
         groups = split_balanced(ctx.src_list, ctx.threads)
         paths = [d / f"ref{g}.bin" for g in range(len(groups))]
-        parallel(lambda g: write_file(paths[g], [ctx.src_list[i] for i in groups[g]]), len(groups))
-        fsync_path(paths[0])
+        _write_files(ctx, paths, groups)
         aligned = None
         if hasattr(os, "O_DIRECT"):
             aligned = [pack_aligned([ctx.src_list[i] for i in g]) for g in groups]
@@ -147,8 +164,7 @@ class RefFiles:
         disk_idle(ctx.scratch)
         try:
             t0 = time.perf_counter()
-            parallel(lambda g: write_file_direct(paths[g], aligned[g]), len(aligned))
-            fsync_path(paths[0])  # the folder entry, as the raw case does
+            _write_files_direct(paths, aligned)
             return time.perf_counter() - t0
         except OSError:  # EINVAL: no O_DIRECT on this file system
             self.aligned = None
@@ -162,7 +178,7 @@ class RefFiles:
         drop_caches()
         disk_idle(ctx.scratch)
         t0 = time.perf_counter()
-        parallel(lambda g: read_file_into(self.paths[g], [ctx.dst_list[i] for i in self.groups[g]]), len(self.paths))
+        _read_files(ctx, self.paths, self.groups)
         return time.perf_counter() - t0
 
     def remove(self) -> None:
@@ -261,23 +277,15 @@ def case_raw_io(ctx: Ctx) -> Metrics:
         n = ctx.threads
         groups = split_balanced(ctx.src_list, n)
         paths = [d / f"part{g}.bin" for g in range(n)]
-
-        def write(g: int) -> None:
-            write_file(paths[g], [ctx.src_list[i] for i in groups[g]])
-
-        def read(g: int) -> None:
-            read_file_into(paths[g], [ctx.dst_list[i] for i in groups[g]])
-
         disk_idle(d)
         with timed(out, "write_nf"):
-            parallel(write, n)
-            fsync_path(paths[0])  # the folder entry
+            _write_files(ctx, paths, groups)
         drop_caches()
         disk_idle(d)
         with timed(out, "read_cold_nf"):
-            parallel(read, n)
+            _read_files(ctx, paths, groups)
         with timed(out, "read_warm_nf"):
-            parallel(read, n)
+            _read_files(ctx, paths, groups)
         if ctx.check and ctx.repeat == 0:
             out["read_ok"] = states_equal(ctx.state, ctx.dst)
         for p in paths:
@@ -288,8 +296,7 @@ def case_raw_io(ctx: Ctx) -> Metrics:
             try:
                 disk_idle(d)
                 with timed(out, "write_nf_direct"):
-                    parallel(lambda g: write_file_direct(paths[g], bufs[g]), n)
-                    fsync_path(paths[0])
+                    _write_files_direct(paths, bufs)
                 drop_caches()
                 disk_idle(d)
                 with timed(out, "read_cold_nf_direct"):

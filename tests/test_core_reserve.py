@@ -22,18 +22,23 @@ def _state(n: int = 4) -> dict:
     return {"w": {f"t{i}": torch.randn(100_000, generator=g) for i in range(n)}, "step": 1}
 
 
+def _assert_the_save_reuses_the_buffer(mgr, step: int, state: dict) -> None:
+    """With one staging buffer already in the pool, saving ``state`` as ``step`` allocates none; the step restores."""
+    assert mgr._pool.allocations == 1
+    mgr.save(step, state)
+    mgr.wait()
+    assert mgr._pool.allocations == 1, "the save allocated a buffer of its own"
+    target = zeros_like_tree(state)
+    assert mgr.restore(target) == step
+    assert_tree_equal(target, state)
+
+
 def test_the_first_save_reuses_the_reserved_buffer(tmp_path):
     state = _state()
     with tierckpt.CheckpointManager(tmp_path / "ck") as mgr:
         fut = mgr.reserve_staging(state)
         assert fut.result(10) >= 0
-        assert mgr._pool.allocations == 1
-        mgr.save(1, state)
-        mgr.wait()
-        assert mgr._pool.allocations == 1, "the first save allocated a buffer of its own"
-        target = zeros_like_tree(state)
-        assert mgr.restore(target) == 1
-    assert_tree_equal(target, state)
+        _assert_the_save_reuses_the_buffer(mgr, 1, state)
 
 
 @pytest.mark.parametrize("writer_threads", [1, 2])
@@ -47,13 +52,8 @@ def test_the_first_save_after_a_restore_reuses_the_restore_buffer(tmp_path, writ
     with tierckpt.CheckpointManager(tmp_path / "ck", writer_threads=writer_threads) as mgr:
         target = zeros_like_tree(state)
         assert mgr.restore(target) == 1
-        assert mgr._pool.allocations == 1
-        mgr.save(2, target)
-        mgr.wait()
-        assert mgr._pool.allocations == 1, "the first save after the restore allocated a buffer of its own"
-        again = zeros_like_tree(state)
-        assert mgr.restore(again) == 2
-    assert_tree_equal(again, state)
+        assert_tree_equal(target, state)
+        _assert_the_save_reuses_the_buffer(mgr, 2, target)
 
 
 def test_a_save_that_comes_first_waits_for_the_reserved_slot(tmp_path, monkeypatch):
