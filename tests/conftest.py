@@ -93,6 +93,15 @@ STORE_KINDS = ["local", "posix_remote", "memory", "s3"]
 
 
 @pytest.fixture
+def torch_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host tensors are copied by torch's ``copy_`` and the copy threads (the path where the native copy is not
+    built), instead of :mod:`tierckpt.snapshot.hostcopy`."""
+    from tierckpt.snapshot import hostcopy
+
+    monkeypatch.setattr(hostcopy, "available", False)
+
+
+@pytest.fixture
 def make_store(request, tmp_path) -> Iterator[Callable[..., Store]]:
     """``make_store(kind, name="root")``: a store of one backend, rooted in a fresh place for this test."""
     from tierckpt.storage.fsspec_store import FsspecStore

@@ -17,7 +17,7 @@ import torch
 from helpers_core import assert_tensor_equal, zeros_like_tree
 
 from tierckpt import CheckpointManager
-from tierckpt.snapshot import staging
+from tierckpt.snapshot import hostcopy, staging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,8 +81,33 @@ def _assert_state_equal(got: dict, want: dict, where: str = "state") -> None:
             assert_tensor_equal(got[k], v, f"{where}[{k!r}]")
 
 
+@pytest.fixture
+def native_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the bytes of every call into the native copy."""
+    if not hostcopy.available:
+        pytest.skip("the native host copy (tierckpt._hostcopy) is not built")
+    real = hostcopy._hostcopy
+    calls: list[int] = []
+
+    class Spy:
+        @staticmethod
+        def copy(dst: Any, src: Any, lengths: Any, *rest: Any) -> None:
+            calls.append(int(lengths.sum()))
+            real.copy(dst, src, lengths, *rest)
+
+    monkeypatch.setattr(hostcopy, "_hostcopy", Spy)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["torch", "native"])
 def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_torch_threads: None,
-                                                         copy_threads: list[tuple[str, int]]) -> None:
+                                                         copy_threads: list[tuple[str, int]], path: str,
+                                                         request: pytest.FixtureRequest) -> None:
+    """The small tensors are split over the pool's copy threads either way; the native copy takes the large
+    contiguous ones in one call and splits their bytes over threads of its own."""
+    native = request.getfixturevalue("native_bytes") if path == "native" else None
+    if native is None:
+        request.getfixturevalue("torch_copy")
     small = _many_small(staging.THREADED_MIN_TENSORS * 2 + 37, seed=1)
     g = torch.Generator().manual_seed(2)
     base = _random_bits((40, 24), torch.bfloat16, g)
@@ -104,11 +129,16 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
     with CheckpointManager(tmp_path / "c") as mgr:
         for step in (1, 2, 3):  # the first save plans; later ones take the cached steady-state path
             copy_threads.clear()
+            if native is not None:
+                native.clear()
             want = {k: {n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v for k, v in state.items()}
             mgr.save(step, state)
             mgr.wait()
             on_workers = sum(n for name, n in copy_threads if name.startswith("tierckpt-copy"))
             assert on_workers >= len(small) // 4, f"small tensors were not split over copy threads: {copy_threads}"
+            if native is not None:  # the large contiguous tensors natively (a call per pipeline group), small: torch
+                large = [t for t in state["large"].values() if t.nbytes >= hostcopy.MIN_BYTES]
+                assert len(large) == 2 and sum(native) == sum(t.nbytes for t in large), native
             assert sum(n for _, n in copy_threads) == len(small) + 2 - 3, copy_threads  # all but the 3 empty ones
             fresh = {"small": zeros_like_tree(small), "large": zeros_like_tree(state["large"]), "step": 0}
             assert mgr.restore(fresh) == step
@@ -173,7 +203,8 @@ def test_changed_dtype_shape_and_keys_make_a_new_plan(tmp_path: Path, two_torch_
 
 
 def test_a_failing_copy_thread_fails_the_save_and_frees_the_slot(tmp_path: Path, two_torch_threads: None,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  torch_copy: None) -> None:
     state = {"model": _many_small(staging.THREADED_MIN_TENSORS * 2, seed=8)}
     real = staging._copy_tensors
 

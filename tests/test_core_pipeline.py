@@ -21,7 +21,7 @@ from helpers_core import assert_tree_equal, clone_tree, leftovers, rank_manifest
 
 from tierckpt import CheckpointManager
 from tierckpt.format.plan import make_plan
-from tierckpt.snapshot import staging, tree
+from tierckpt.snapshot import hostcopy, staging, tree
 from tierckpt.storage import local as local_store
 from tierckpt.tiers import writer
 
@@ -105,11 +105,16 @@ def test_watermarks_cover_only_copied_bytes_in_wave_order(monkeypatch: pytest.Mo
     assert calls[0][0] == 0 and calls[1][0] == 1
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_tensors_larger_than_a_group_are_copied_in_pieces(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+@pytest.mark.parametrize(("threads", "torch_path"), [(1, False), (2, False), (2, True)],
+                         ids=["1", "2", "2-torch"])
+def test_tensors_larger_than_a_group_are_copied_in_pieces(monkeypatch: pytest.MonkeyPatch, threads: int,
+                                                          torch_path: bool) -> None:
     """A tensor larger than a group raises its file's watermark piece by piece (contiguous sources), or once with
-    its first piece (strided ones); small tensors around it, split over copy threads or not, stay correct."""
+    its first piece (strided ones); small tensors around it, split over copy threads (torch's path) or not, stay
+    correct."""
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", MiB)
+    if torch_path:
+        monkeypatch.setattr(hostcopy, "available", False)
     monkeypatch.setattr(staging, "PIPELINE_SPLIT_MIN_TENSORS", 8)
     g = torch.Generator().manual_seed(4)
     state: dict[str, Any] = {"small_a": {f"n{i}": torch.randn(300, generator=g) for i in range(20)}}
@@ -192,14 +197,19 @@ def test_hashing_waits_for_the_copy_and_for_the_caller_to_stop_waiting() -> None
         failed.wait_released()
 
 
-@pytest.mark.parametrize(("small", "overlap"), [(0, True), (300, True), (0, False), (300, False)],
-                         ids=["large", "many_small", "large-no-overlap", "many_small-no-overlap"])
+@pytest.mark.parametrize(("small", "overlap", "torch_path"),
+                         [(0, True, False), (300, True, False), (300, True, True), (0, False, False),
+                          (300, False, True)],
+                         ids=["large", "many_small", "many_small-torch", "large-no-overlap",
+                              "many_small-no-overlap-torch"])
 def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int,
-                                            overlap: bool) -> None:
+                                            overlap: bool, torch_path: bool) -> None:
     """Also with more small tensors than :data:`staging.THREADED_MIN_TENSORS` (a real model's norms and biases):
-    their group is split over the copy threads, and the rest of the copy is still pipelined. With
-    ``overlap_writes=False`` no byte is written before the copy ends."""
+    on torch's copy path their group is split over the copy threads, and the rest of the copy is still pipelined.
+    With ``overlap_writes=False`` no byte is written before the copy ends."""
     monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
+    if torch_path:
+        monkeypatch.setattr(hostcopy, "available", False)
     state = _state(20, MiB, seed=2)  # 80 MiB in 20 tensors of 4 MiB, two files of 40 MiB (at most 48 MiB each)
     g = torch.Generator().manual_seed(3)
     for i in range(small):
@@ -238,7 +248,7 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
                 assert min(writes) < max(copies), "no data was written before the copy finished"
             else:
                 assert min(writes) > max(copies), "data was written while the copy ran"
-            if small:
+            if small and torch_path:
                 assert any(n.startswith("tierckpt-copy") for n in copy_threads), copy_threads
             _assert_restores(mgr, want, 1)
     finally:
@@ -350,8 +360,10 @@ def test_a_save_that_fails_before_its_job_starts_gives_the_slot_back(tmp_path: P
         _assert_restores(mgr, want, 3)
 
 
-def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Auto: write while copying only with a core for each copy thread and each writer; True/False force it."""
+def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            torch_copy: None) -> None:
+    """Auto, with torch's copy_: write while copying only with a core for each copy thread and each writer;
+    True/False force it."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -367,3 +379,4 @@ def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monk
         torch.set_num_threads(torch_threads)
     with pytest.raises(ValueError, match="overlap_writes"):
         CheckpointManager(tmp_path / "bad", overlap_writes="yes")  # type: ignore[arg-type]
+
