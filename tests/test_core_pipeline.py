@@ -380,3 +380,14 @@ def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monk
     with pytest.raises(ValueError, match="overlap_writes"):
         CheckpointManager(tmp_path / "bad", overlap_writes="yes")  # type: ignore[arg-type]
 
+
+def test_overlap_writes_is_automatic_with_the_native_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto, with the native streaming copy: write while copying whatever the core count; False still forces the
+    copy first."""
+    monkeypatch.setattr(hostcopy, "available", True)
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert staging.overlap_pays(2) is True
+    with CheckpointManager(tmp_path / "auto") as mgr:
+        assert mgr._overlap is True
+    with CheckpointManager(tmp_path / "off", overlap_writes=False) as mgr:
+        assert mgr._overlap is False

@@ -80,7 +80,8 @@ class CheckpointManager:
         direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
             go from the staging buffer to the disk without a copy through the page cache.
         overlap_writes: start writing each file while the rest of a host state is still being copied (durable
-            sooner). None (auto): only when the process has a core for each copy thread and each writer, because on
+            sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
+            copy not built) only when the process has a core for each copy thread and each writer, because on
             fewer the writes slow the copy that training waits for (:func:`staging.overlap_pays`).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
