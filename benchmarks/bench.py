@@ -50,7 +50,7 @@ from measure import (
     case_raw_io,
     case_safetensors,
     case_tierckpt,
-    case_tierckpt_overlap,
+    case_tierckpt_copy_first,
     case_torch_save,
     default_stager_available,
     make_case_dcp_async,
@@ -81,7 +81,8 @@ def build_cases(
     *, tierckpt: bool, remote: bool, s3: bool, peers: list[str] | None = None, limits: bool = True,
     overlap: bool = False,
 ) -> dict[str, Case]:
-    """The cases of one suite, by display name (``overlap``: also tierckpt with ``overlap_writes=True``)."""
+    """The cases of one suite, by display name (``overlap``: also tierckpt with ``overlap_writes=False``, the other
+    side of the overlap trade-off)."""
     cases: dict[str, Case] = {}
     if limits:
         cases["memcpy"] = case_memcpy
@@ -102,7 +103,7 @@ def build_cases(
     if tierckpt:
         cases["tierckpt"] = case_tierckpt
         if overlap:
-            cases["tierckpt+overlap"] = case_tierckpt_overlap
+            cases["tierckpt copy-first"] = case_tierckpt_copy_first
         if remote:
             cases["tierckpt+posix"] = make_case_tierckpt_remote("posix")
         if s3:
@@ -176,6 +177,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
     """Limits, per-system rows and ratios (to the limits and to the best peer) from the medians."""
     raw = med.get("raw", {})
     mem = med.get("memcpy", {}).get("time")
+    mem_stream = med.get("memcpy", {}).get("time_stream")
     h = med.get("hash", {})
     # the limit is the fastest raw way to move the bytes: buffered or O_DIRECT, 1 file or N
     write = min((v for v in (raw.get("write_1f"), raw.get("write_nf"), raw.get("write_nf_direct")) if v), default=None)
@@ -188,6 +190,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
     adjacent_write = median([w for m in med.values() for _, w in m.get("durable_pairs") or []])
     limits = {
         "memcpy": mem,
+        "memcpy_stream": mem_stream,
         "write": write,
         "read_cold": read_cold,
         "read_warm": read_warm,
@@ -223,6 +226,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
             "load_warm": m.get("load_warm"),
             "rss_extra": m.get("rss_extra"),
             "stall_vs_memcpy": ratio(m.get("stall"), mem),
+            "stall_vs_stream": ratio(m.get("stall"), mem_stream),
             "durable_vs_write": ratio(m.get("durable"), write),
             "load_cold_vs_read": ratio(m.get("load_cold"), read_cold),
             "load_cold_vs_ref": m.get("load_cold_vs_ref"),
@@ -243,7 +247,7 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
         cold, warm = tk["load_cold_inplace"], tk.get("load_warm_inplace")
         rows["tierckpt in_place restore"] = {
             "stall": None, "durable": None, "remote_durable": None, "load_cold": cold, "load_warm": warm,
-            "rss_extra": None, "stall_vs_memcpy": None, "durable_vs_write": None,
+            "rss_extra": None, "stall_vs_memcpy": None, "stall_vs_stream": None, "durable_vs_write": None,
             "load_cold_vs_read": ratio(cold, read_cold),
             "load_cold_vs_ref": pooled["median"] if pooled else tk.get("load_cold_inplace_vs_ref"),
             "load_warm_vs_read": ratio(warm, read_warm),
@@ -276,6 +280,7 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
     lim, gbps = d["limits"], d["limits_gbps"]
     labels = {
         "memcpy": "memcpy into preallocated tensors (copy_)",
+        "memcpy_stream": "memcpy into preallocated tensors, streaming stores, N threads (tierckpt's native copy)",
         "write_1f": "raw write + fsync, 1 file",
         "write_nf": "raw write + fsync, N files on N threads",
         "write_nf_direct": "raw write O_DIRECT + fsync, N files on N threads",
@@ -291,20 +296,20 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
     }
     t1 = [[labels[k], lim.get(k), gbps.get(k)] for k in labels]
     heads = ["system", "stall s", "durable s", "remote s", "load cold s", "load warm s", "extra RSS GiB",
-             "stall/memcpy", "durable/write", "durable/adjacent write", "cold/read", "cold/adjacent read",
-             "warm/read"]  # fmt: skip
+             "stall/memcpy", "stall/streaming memcpy", "durable/write", "durable/adjacent write", "cold/read",
+             "cold/adjacent read", "warm/read"]  # fmt: skip
     t2 = []
     for n, r in d["systems"].items():
         if r.get("error"):
             t2.append([n, "ERROR: " + str(r["error"])[:60]] + [""] * (len(heads) - 2))
             continue
         rss = r["rss_extra"] / GiB if r.get("rss_extra") is not None else None
-        t2.append([n, r["stall"], r["durable"], r["remote_durable"], r["load_cold"], r["load_warm"], rss, r["stall_vs_memcpy"],
-                   r["durable_vs_write"], r.get("durable_vs_ref"), r["load_cold_vs_read"], r.get("load_cold_vs_ref"),
-                   r["load_warm_vs_read"]])  # fmt: skip
+        t2.append([n, r["stall"], r["durable"], r["remote_durable"], r["load_cold"], r["load_warm"], rss,
+                   r["stall_vs_memcpy"], r.get("stall_vs_stream"), r["durable_vs_write"], r.get("durable_vs_ref"),
+                   r["load_cold_vs_read"], r.get("load_cold_vs_ref"), r["load_warm_vs_read"]])  # fmt: skip
     bp = d["best_peer"]
     t3 = []
-    for n in ("tierckpt", "tierckpt+overlap", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
+    for n in ("tierckpt", "tierckpt copy-first", "tierckpt in_place restore", "tierckpt+posix", "tierckpt+s3"):
         r = d["systems"].get(n)
         if not r or r.get("error"):
             continue

@@ -116,10 +116,27 @@ def test_derive_pools_the_saves_next_to_their_write_limit() -> None:
     med = {"raw": {"write_nf_direct": 1.0},
            "tierckpt": bench.summarize([{"durable": 1.3, "durable_pairs": [(1.3, 1.0), (1.2, 1.2)]},
                                         {"durable": 1.1, "durable_pairs": [(1.1, 1.1)]}]),
-           "tierckpt+overlap": {"durable": 1.2}}  # fmt: skip
+           "tierckpt copy-first": {"durable": 1.2}}  # fmt: skip
     d = bench.derive(med, 1 << 30)
     t = d["systems"]["tierckpt"]
     assert t["durable_vs_write"] == pytest.approx(1.2)  # the median of the repeats' durable times over the limit
     assert t["durable_vs_ref"] == pytest.approx(1.0) and t["durable_pairs"]["n"] == 3  # ratios 1.3, 1.0, 1.0
-    assert d["systems"]["tierckpt+overlap"]["durable_vs_ref"] is None
+    assert d["systems"]["tierckpt copy-first"]["durable_vs_ref"] is None
     assert d["limits"]["write_adjacent"] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("repeat", [0, 1])
+def test_memcpy_limit_times_copy_and_the_streaming_copy_into_the_targets(tmp_path: Path, repeat: int) -> None:
+    from tierckpt.snapshot import hostcopy
+
+    ctx = _ctx(tmp_path)
+    ctx.repeat = repeat  # type: ignore[attr-defined]
+    out = measure.case_memcpy(ctx)
+    assert out["time"] > 0
+    assert ("time_stream" in out) is hostcopy.available
+    for k, v in ctx.state.items():  # type: ignore[attr-defined]
+        assert torch.equal(ctx.dst[k], v), k  # type: ignore[attr-defined]
+    d = bench.derive({"memcpy": {"time": 2.0, "time_stream": 1.0}, "tierckpt": {"stall": 1.5}}, 1 << 30)
+    assert d["limits"]["memcpy_stream"] == 1.0
+    assert d["systems"]["tierckpt"]["stall_vs_memcpy"] == pytest.approx(0.75)
+    assert d["systems"]["tierckpt"]["stall_vs_stream"] == pytest.approx(1.5)
