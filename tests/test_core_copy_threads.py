@@ -99,25 +99,27 @@ def native_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("path", ["torch", "native"])
+@pytest.mark.parametrize("path", ["torch", "native", "native-plain"])
 def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_torch_threads: None,
                                                          copy_threads: list[tuple[str, int]], path: str,
                                                          request: pytest.FixtureRequest) -> None:
-    """The small tensors are split over the pool's copy threads either way; the native copy takes the large
-    contiguous ones in one call and splits their bytes over threads of its own."""
-    native = request.getfixturevalue("native_bytes") if path == "native" else None
+    """torch's path splits the small tensors over the pool's copy threads. The native copy takes every tensor of a
+    batch in one call when all are plain ("native-plain"); with a strided source among them ("native") that batch
+    goes the fallback way: large plain tensors natively, the rest through torch on the calling thread."""
+    native = request.getfixturevalue("native_bytes") if path.startswith("native") else None
     if native is None:
         request.getfixturevalue("torch_copy")
     small = _many_small(staging.THREADED_MIN_TENSORS * 2 + 37, seed=1)
     g = torch.Generator().manual_seed(2)
-    base = _random_bits((40, 24), torch.bfloat16, g)
-    small["transposed"] = base.t()  # non-contiguous source
-    small["strided_rows"] = _random_bits((30, 8), torch.float32, g)[::3]
+    if path != "native-plain":
+        base = _random_bits((40, 24), torch.bfloat16, g)
+        small["transposed"] = base.t()  # non-contiguous source
+        small["strided_rows"] = _random_bits((30, 8), torch.float32, g)[::3]
+        assert not small["transposed"].is_contiguous() and not small["strided_rows"].is_contiguous()
     small["empty_f32"] = torch.empty(0)
     small["empty_bf16"] = torch.empty((4, 0), dtype=torch.bfloat16)
     small["empty_i64"] = torch.empty((0, 3), dtype=torch.int64)
     small["scalar"] = _random_bits((), torch.float64, g)
-    assert not small["transposed"].is_contiguous() and not small["strided_rows"].is_contiguous()
     state = {
         "small": small,
         # copied in chunks of equal cost: one by the calling thread, the others by the copy threads
@@ -135,8 +137,14 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
             mgr.save(step, state)
             mgr.wait()
             on_workers = sum(n for name, n in copy_threads if name.startswith("tierckpt-copy"))
-            assert on_workers >= len(small) // 4, f"small tensors were not split over copy threads: {copy_threads}"
-            if native is not None:  # the large contiguous tensors natively (a call per pipeline group), small: torch
+            tensors = [*small.values(), *state["large"].values()]
+            if native is None:
+                assert on_workers >= len(small) // 4, f"small tensors were not split over copy threads: {copy_threads}"
+            else:
+                assert on_workers == 0, copy_threads  # the native copy has threads of its own
+            if path == "native-plain":  # every byte in native batch calls, none through torch
+                assert sum(native) == sum(t.nbytes for t in tensors), native
+            elif native is not None:  # the fallback: the large plain ones natively, one by one
                 large = [t for t in state["large"].values() if t.nbytes >= hostcopy.MIN_BYTES]
                 assert len(large) == 2 and sum(native) == sum(t.nbytes for t in large), native
             assert sum(n for _, n in copy_threads) == len(small) + 2 - 3, copy_threads  # all but the 3 empty ones

@@ -219,8 +219,8 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
     writes: list[float] = []
     real_copy, real_write = staging._copy_tensors, local_store._LocalWriteStream.write
 
-    def slow_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        real_copy(dsts, srcs)
+    def slow_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *rest: Any) -> None:
+        real_copy(dsts, srcs, *rest)
         time.sleep(0.02)  # a slow copy (a device-to-host copy of a large state)
         copies.append(time.perf_counter())
         copy_threads.add(threading.current_thread().name)
@@ -259,11 +259,11 @@ def _failing_copy(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> list[int]:
     calls = [0]
     real = staging._copy_tensors
 
-    def failing(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    def failing(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *rest: Any) -> None:
         calls[0] += 1
         if calls[0] == fail_at:
             raise RuntimeError("injected copy failure")
-        real(dsts, srcs)
+        real(dsts, srcs, *rest)
         time.sleep(0.01)  # give the writers time to start on the first groups
 
     monkeypatch.setattr(staging, "_copy_tensors", failing)

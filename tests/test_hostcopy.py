@@ -128,6 +128,33 @@ def test_small_tensors_stay_with_torch() -> None:
     assert rest_d is only_small and not only_small[0].any()
 
 
+@needs_native
+def test_a_batch_copies_everything_or_nothing() -> None:
+    """``copy_batch``: every source into its fixed destination in one call, or (any source not a plain match for
+    its destination) not a byte, so the caller can take the other path."""
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(5000, generator=g), torch.randn(3, 7, generator=g).to(torch.bfloat16),
+            torch.randint(0, 9, (1,), generator=g), torch.randn(300_001, generator=g)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    batch = hostcopy.Batch(dsts)
+    bad = {
+        "strided": [srcs[0], srcs[1].t().contiguous().t(), srcs[2], srcs[3]],
+        "dtype": [srcs[0], srcs[1].float(), srcs[2], srcs[3]],
+        "shape": [srcs[0], srcs[1].reshape(7, 3), srcs[2], srcs[3]],
+        "size": [srcs[0][:-1], srcs[1], srcs[2], srcs[3]],
+        "neg": [torch._neg_view(srcs[0]), srcs[1], srcs[2], srcs[3]],
+        "count": srcs[:3],
+    }
+    for why, others in bad.items():
+        assert hostcopy.copy_batch(batch, others) is False, why
+        assert not any(d.any() for d in dsts), f"{why}: a byte was copied"
+    assert hostcopy.copy_batch(batch, srcs, threads=2) is True
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+    assert hostcopy.copy_batch(hostcopy.Batch([]), []) is True
+    with pytest.raises(ValueError, match="contiguous"):
+        hostcopy.Batch([torch.zeros(4, 4).t()])
+
+
 def test_copy_pairs_hands_everything_back_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hostcopy, "available", False)
     dsts, srcs = [torch.zeros(4)], [torch.ones(4)]

@@ -99,8 +99,9 @@ static void *run_job(void *arg) {
         if (b <= j->lo)
             continue;
         uint64_t from = a > j->lo ? a : j->lo, to = b < j->hi ? b : j->hi;
-        copy_one((char *)(uintptr_t)(j->dst[i] + (from - a)), (const char *)(uintptr_t)(j->src[i] + (from - a)),
-                 (size_t)(to - from), j->streaming);
+        if (to > from)
+            copy_one((char *)(uintptr_t)(j->dst[i] + (from - a)),
+                     (const char *)(uintptr_t)(j->src[i] + (from - a)), (size_t)(to - from), j->streaming);
     }
 #if HOSTCOPY_X86
     if (j->streaming)

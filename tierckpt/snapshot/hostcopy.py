@@ -20,6 +20,7 @@ a watermark, a joined future) reads the new bytes.
 from __future__ import annotations
 
 import os
+from itertools import compress
 from operator import attrgetter
 
 import numpy as np
@@ -78,13 +79,19 @@ def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, threads: i
     sizes = list(map(_NBYTES, srcs))
     if max(sizes) < min_bytes:  # nothing to take (thousands of small tensors: one pass, no per-pair checks)
         return dsts, srcs
+    if min(sizes) >= min_bytes:
+        big_d, big_s, rest_d, rest_s = dsts, srcs, [], []
+    else:  # the per-pair checks below only for the large ones (a few among thousands of small ones)
+        small = [n < min_bytes for n in sizes]
+        large = [not x for x in small]
+        big_d, big_s = list(compress(dsts, large)), list(compress(srcs, large))
+        rest_d, rest_s = list(compress(dsts, small)), list(compress(srcs, small))
     daddr: list[int] = []
     saddr: list[int] = []
     lens: list[int] = []
-    rest_d: list[torch.Tensor] = []
-    rest_s: list[torch.Tensor] = []
-    for d, s, n in zip(dsts, srcs, sizes, strict=True):
-        if n >= min_bytes and eligible(d, s):
+    for d, s in zip(big_d, big_s, strict=True):
+        n = s.nbytes
+        if eligible(d, s):
             daddr.append(d.data_ptr())
             saddr.append(s.data_ptr())
             lens.append(n)
@@ -98,4 +105,50 @@ def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, threads: i
     return rest_d, rest_s
 
 
-__all__ = ["available", "copy_pairs", "default_threads", "eligible", "streaming"]
+_PTR = torch.Tensor.data_ptr
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_CONJ = torch.Tensor.is_conj
+_IS_NEG = torch.Tensor.is_neg
+_IS_CPU = attrgetter("is_cpu")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
+
+
+class Batch:
+    """Fixed destinations copied into again and again (a staging slot's views for one plan): their addresses,
+    sizes, dtypes and shapes, read once. The destinations must stay alive and unmoved while the batch is used."""
+
+    __slots__ = ("dst_addr", "lengths", "sizes", "dtypes", "shapes")
+
+    def __init__(self, dsts: list[torch.Tensor]) -> None:
+        if not all(eligible(d, d) for d in dsts):
+            raise ValueError("batch destinations must be contiguous CPU tensors without lazy conjugate/negative bits")
+        self.dst_addr = np.fromiter(map(_PTR, dsts), dtype=np.uint64, count=len(dsts))
+        self.sizes = list(map(_NBYTES, dsts))
+        self.lengths = np.array(self.sizes, dtype=np.uint64)
+        self.dtypes = list(map(_DTYPE, dsts))
+        self.shapes = list(map(_SHAPE, dsts))
+
+
+def copy_batch(batch: Batch, srcs: list[torch.Tensor], *, threads: int | None = None) -> bool:
+    """Copy ``srcs[i]`` into the batch's i-th destination for every i, in one native call, when every source is a
+    contiguous CPU tensor with no lazy bits and of the destination's dtype and shape; else copy nothing, return False.
+
+    For the thousands of small tensors of a large model, where :func:`copy_pairs` would cost more per tensor than it
+    saves: the checks here are one C-level pass over the sources per attribute (about 0.1 us a tensor each).
+    """
+    if not available or len(srcs) != len(batch.sizes):
+        return False
+    if (list(map(_NBYTES, srcs)) != batch.sizes or list(map(_DTYPE, srcs)) != batch.dtypes
+            or list(map(_SHAPE, srcs)) != batch.shapes or not all(map(_IS_CPU, srcs))
+            or not all(map(_CONTIGUOUS, srcs)) or any(map(_IS_CONJ, srcs)) or any(map(_IS_NEG, srcs))):
+        return False
+    if not srcs:
+        return True
+    assert _hostcopy is not None
+    saddr = np.fromiter(map(_PTR, srcs), dtype=np.uint64, count=len(srcs))
+    _hostcopy.copy(batch.dst_addr, saddr, batch.lengths, default_threads() if threads is None else threads, True)
+    return True
+
+
+__all__ = ["Batch", "available", "copy_batch", "copy_pairs", "default_threads", "eligible", "streaming"]

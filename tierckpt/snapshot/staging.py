@@ -11,15 +11,17 @@ only when a state grows, and otherwise reused forever, so a steady-state save al
 pinned (page-locked) when CUDA is available, so device-to-host copies run at full PCIe/NVLink bandwidth on a
 dedicated copy stream without blocking the training stream.
 
-Copying host tensors: where the optional native copy is built (:mod:`.hostcopy`), one call copies every plain
-contiguous tensor of :data:`SMALL_TENSOR_BYTES` or more in a batch with streaming stores, its bytes split evenly
-over torch's intra-op thread count (0.64x the time of ``copy_`` for the benchmark's 2 GiB state; they skip the read
-of each destination line that a cached store makes). The rest (small, strided or lazily conjugated sources, or
-everything without the extension) goes to one ``torch._foreach_copy_`` call, which copies a list of tensors in C++
-(releasing the GIL); torch splits each large copy over its own threads. Thousands of small tensors are dominated by
-per-tensor cost instead, which torch does not parallelise, so where there are many small ones they are split into
-chunks copied by a few threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies a
-chunk of its own.
+Copying host tensors: where the optional native copy is built (:mod:`.hostcopy`), one call copies every tensor
+(or, pipelined, every tensor of a group) with streaming stores, its bytes split evenly over torch's intra-op thread
+count (0.64x the time of ``copy_`` for the benchmark's 2 GiB state; they skip the read of each destination line
+that a cached store makes). The destinations' addresses are read once per plan (:class:`hostcopy.Batch`); the
+sources are checked in one C-level pass per attribute, so 10,000 small tensors cost milliseconds, not one Python
+loop each. If any source is strided or lazily conjugated, that batch goes the other way: large plain tensors
+natively one by one (:func:`hostcopy.copy_pairs`), the rest, and everything without the extension, in one
+``torch._foreach_copy_`` call, which copies a list of tensors in C++ (releasing the GIL); torch splits each large
+copy over its own threads. Thousands of small tensors are dominated by per-tensor cost instead, which torch does
+not parallelise, so on that path, where there are many small ones, they are split into chunks copied by a few
+threads of the pool's :meth:`StagingPool.copy_executor` while the calling thread copies a chunk of its own.
 
 Pipelining (the manager asks for it where :func:`overlap_pays`, or ``overlap_writes=True``): given a
 :class:`CopyProgress`, the copy runs file image by file image in groups of about
@@ -319,13 +321,20 @@ class _Group:
     the copy threads when there are many small ones, or one ``piece`` of a tensor larger than a group (position,
     first and last element, destination view of those elements)."""
 
-    __slots__ = ("part", "end", "dsts", "positions", "chunks", "piece")
+    __slots__ = ("part", "end", "dsts", "positions", "chunks", "piece", "_batch")
 
     def __init__(self, part: int, end: int, dsts: list[torch.Tensor], positions: list[int],
                  chunks: list[tuple[list[int], list[torch.Tensor]]] | None = None,
                  piece: tuple[int, int, int, torch.Tensor] | None = None) -> None:
         self.part, self.end, self.dsts, self.positions = part, end, dsts, positions
         self.chunks, self.piece = chunks, piece
+        self._batch: hostcopy.Batch | None = None
+
+    def batch(self) -> hostcopy.Batch:
+        """The group's destinations as one native copy batch (built on first use)."""
+        if self._batch is None:
+            self._batch = hostcopy.Batch(self.dsts)
+        return self._batch
 
 
 class _CopySchedule:
@@ -343,7 +352,8 @@ class _CopySchedule:
 class _SlotLayout:
     """Typed views into a slot for every leaf of one plan, and the copy derived from them (built once per plan)."""
 
-    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules", "pipelines", "file_views")
+    __slots__ = ("plan", "kinds", "views", "torch_idx", "numpy_idx", "dsts", "schedules", "pipelines", "file_views",
+                 "_batch")
 
     def __init__(self, plan: SnapshotPlan, kinds: list[str], views: list[torch.Tensor | np.ndarray]) -> None:
         self.plan, self.kinds, self.views = plan, kinds, views
@@ -356,6 +366,13 @@ class _SlotLayout:
         self.schedules: dict[int, _CopySchedule] = {}
         self.pipelines: dict[tuple[int, int], list[_Group]] = {}
         self.file_views: list[memoryview] | None = None
+        self._batch: hostcopy.Batch | None = None
+
+    def batch(self) -> hostcopy.Batch:
+        """Every destination as one native copy batch (built on first use)."""
+        if self._batch is None:
+            self._batch = hostcopy.Batch(self.dsts)
+        return self._batch
 
     def pipeline(self, waves: int, threads: int = 1) -> list[_Group]:
         """The groups of a pipelined copy (see :class:`_Group`), in the order they are copied.
@@ -526,21 +543,22 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
         _copy_tensors(dsts, srcs)
         return
     threads = min(MAX_COPY_THREADS, torch.get_num_threads()) if executor is not None else 1
+    native = hostcopy.available  # one native call per batch splits its bytes over threads: no chunks needed
     pick = srcs.__getitem__
     if progress is not None:
-        for g in layout.pipeline(waves, threads):
+        for g in layout.pipeline(waves, 1 if native else threads):
             if g.piece is not None:
                 _copy_piece(g.piece, layout.dsts, pick)
             elif g.chunks is None:
-                _copy_tensors(g.dsts, list(map(pick, g.positions)))
+                _copy_tensors(g.dsts, list(map(pick, g.positions)), g.batch)
             else:
                 assert executor is not None
                 _copy_split(executor, g.chunks[1:], g.chunks[0], pick)
             progress.advance(g.part, g.end)
         return
-    sched = layout.schedule(threads)
+    sched = layout.schedule(1 if native else threads)
     if sched.chunks is None:
-        _copy_tensors(dsts, srcs)
+        _copy_tensors(dsts, srcs, layout.batch)
         return
     assert executor is not None
     _copy_split(executor, sched.chunks, (sched.large_pos, sched.large_dsts), pick)
@@ -579,10 +597,14 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     _copy_tensors(dsts, srcs)
 
 
-def _copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dsts[i].copy_(srcs[i])`` for all i: plain host tensors of 1 MiB or more with streaming stores on several
-    threads (:mod:`.hostcopy`), the rest in one torch C++ call when there are several (both release the GIL)."""
+def _copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+                  batch: Callable[[], hostcopy.Batch] | None = None) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i (both release the GIL): with the native copy (:mod:`.hostcopy`), all
+    in one call on ``batch()``'s fixed destinations when every source is plain, else the plain ones of 1 MiB or more
+    one by one; the rest in one torch C++ call when there are several."""
     if hostcopy.available and dsts:
+        if batch is not None and hostcopy.copy_batch(batch(), srcs):
+            return
         dsts, srcs = hostcopy.copy_pairs(dsts, srcs)
     if not dsts:
         return
