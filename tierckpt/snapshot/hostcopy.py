@@ -11,8 +11,11 @@ The copying is the optional C extension :mod:`tierckpt._hostcopy` (``tierckpt/_h
 built (no compiler at install time) :data:`available` is False and every caller falls back to ``copy_``; where the
 CPU is not x86-64 it copies with ``memcpy`` on the same threads.
 
-Invariants: only plain CPU tensors of at least :data:`MIN_BYTES`, of one dtype, both contiguous, with no lazy
-conjugate or negative bit and non-overlapping, are copied here (:func:`copy_pairs` returns the rest to its caller); :func:`copy_pairs` returns
+Two entry points: :func:`copy_batch` copies a whole list of sources into fixed destinations (a staging slot's
+views, read once into a :class:`Batch`) or nothing, checking the sources in one C-level pass per attribute;
+:func:`copy_pairs` takes the large plain pairs out of any list one by one. Invariants: only plain CPU tensors (of
+at least :data:`MIN_BYTES` in :func:`copy_pairs`), of one dtype and shape, both contiguous, with no lazy conjugate
+or negative bit and non-overlapping, are copied here (:func:`copy_pairs` returns the rest to its caller); :func:`copy_pairs` returns
 once every byte is copied and fenced, so a thread that synchronises with the caller afterwards (a writer woken by
 a watermark, a joined future) reads the new bytes.
 """
