@@ -498,7 +498,8 @@ def overlap_pays(writers: int) -> bool:
     """Whether to write while copying (the ``overlap_writes=None`` rule).
 
     With the native streaming copy (:mod:`.hostcopy`), always: it needs fewer cycles for the same bytes and, with
-    the pipeline's large groups, the writes lengthened it by 5% on 2 cores while the state was durable 8% sooner.
+    the pipeline's large groups, the writes lengthened it by 5% on 2 cores while the state was durable 8% sooner
+    (12 A/B pairs; 11-24% and 8-14% in two benchmark runs, where both stayed inside their 1.1x targets).
     With torch's ``copy_``, only when this process may use as many cores as torch's copy threads and ``writers``
     together. On fewer, the writes' kernel work takes cores from the copy that training waits for (2 cores, 2 GiB:
     3-15% longer stall for a 4-13% earlier durable checkpoint)."""
