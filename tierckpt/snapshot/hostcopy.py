@@ -82,17 +82,16 @@ def copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, threads: i
     if max(sizes) < min_bytes:  # nothing to take (thousands of small tensors: one pass, no per-pair checks)
         return dsts, srcs
     if min(sizes) >= min_bytes:
-        big_d, big_s, rest_d, rest_s = dsts, srcs, [], []
+        big_d, big_s, big_n, rest_d, rest_s = dsts, srcs, sizes, [], []
     else:  # the per-pair checks below only for the large ones (a few among thousands of small ones)
         small = [n < min_bytes for n in sizes]
         large = [not x for x in small]
-        big_d, big_s = list(compress(dsts, large)), list(compress(srcs, large))
+        big_d, big_s, big_n = list(compress(dsts, large)), list(compress(srcs, large)), list(compress(sizes, large))
         rest_d, rest_s = list(compress(dsts, small)), list(compress(srcs, small))
     daddr: list[int] = []
     saddr: list[int] = []
     lens: list[int] = []
-    for d, s in zip(big_d, big_s, strict=True):
-        n = s.nbytes
+    for d, s, n in zip(big_d, big_s, big_n, strict=True):
         if eligible(d, s):
             daddr.append(d.data_ptr())
             saddr.append(s.data_ptr())
