@@ -17,7 +17,7 @@ import torch
 from helpers_core import assert_tensor_equal, zeros_like_tree
 
 from tierckpt import CheckpointManager
-from tierckpt.snapshot import hostcopy, staging
+from tierckpt.snapshot import copier, hostcopy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,13 +62,13 @@ def two_torch_threads() -> Iterator[None]:
 def copy_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Records (thread name, tensor count) of every batch copy of host tensors."""
     calls: list[tuple[str, int]] = []
-    real = staging._copy_tensors
+    real = copier._copy_tensors
 
     def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *rest: Any) -> None:
         calls.append((threading.current_thread().name, len(dsts)))
         real(dsts, srcs, *rest)
 
-    monkeypatch.setattr(staging, "_copy_tensors", spy)
+    monkeypatch.setattr(copier, "_copy_tensors", spy)
     return calls
 
 
@@ -109,7 +109,7 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
     native = request.getfixturevalue("native_bytes") if path.startswith("native") else None
     if native is None:
         request.getfixturevalue("torch_copy")
-    small = _many_small(staging.THREADED_MIN_TENSORS * 2 + 37, seed=1)
+    small = _many_small(copier.THREADED_MIN_TENSORS * 2 + 37, seed=1)
     g = torch.Generator().manual_seed(2)
     if path != "native-plain":
         base = _random_bits((40, 24), torch.bfloat16, g)
@@ -127,7 +127,7 @@ def test_many_small_tensors_copied_by_threads_round_trip(tmp_path: Path, two_tor
                   "emb_bf16": _random_bits((2048, 300), torch.bfloat16, g)},
         "step": 7,
     }
-    assert state["large"]["emb"].nbytes >= staging.SMALL_TENSOR_BYTES
+    assert state["large"]["emb"].nbytes >= copier.SMALL_TENSOR_BYTES
     with CheckpointManager(tmp_path / "c") as mgr:
         for step in (1, 2, 3):  # the first save plans; later ones take the cached steady-state path
             copy_threads.clear()
@@ -213,8 +213,8 @@ def test_changed_dtype_shape_and_keys_make_a_new_plan(tmp_path: Path, two_torch_
 def test_a_failing_copy_thread_fails_the_save_and_frees_the_slot(tmp_path: Path, two_torch_threads: None,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   torch_copy: None) -> None:
-    state = {"model": _many_small(staging.THREADED_MIN_TENSORS * 2, seed=8)}
-    real = staging._copy_tensors
+    state = {"model": _many_small(copier.THREADED_MIN_TENSORS * 2, seed=8)}
+    real = copier._copy_tensors
 
     def failing(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *rest: Any) -> None:
         if threading.current_thread().name.startswith("tierckpt-copy"):
@@ -224,7 +224,7 @@ def test_a_failing_copy_thread_fails_the_save_and_frees_the_slot(tmp_path: Path,
     mgr = CheckpointManager(tmp_path / "c")
     mgr.save(1, state)
     mgr.wait()
-    monkeypatch.setattr(staging, "_copy_tensors", failing)
+    monkeypatch.setattr(copier, "_copy_tensors", failing)
     outcome: list[BaseException | None] = []
 
     def save() -> None:
@@ -241,7 +241,7 @@ def test_a_failing_copy_thread_fails_the_save_and_frees_the_slot(tmp_path: Path,
         pytest.fail("save() hung after a copy thread failed")
     with mgr:
         assert isinstance(outcome[0], RuntimeError) and "injected" in str(outcome[0]), outcome
-        monkeypatch.setattr(staging, "_copy_tensors", real)
+        monkeypatch.setattr(copier, "_copy_tensors", real)
         want = {n: t.clone() for n, t in state["model"].items()}
         mgr.save(3, state)  # the slot came back
         mgr.wait()

@@ -21,7 +21,7 @@ from helpers_core import assert_tree_equal, clone_tree, leftovers, rank_manifest
 
 from tierckpt import CheckpointManager
 from tierckpt.format.plan import make_plan
-from tierckpt.snapshot import hostcopy, staging, tree
+from tierckpt.snapshot import copier, hostcopy, staging, tree
 from tierckpt.storage import local as local_store
 from tierckpt.tiers import writer
 
@@ -70,7 +70,7 @@ def _checked_copy(state: dict[str, Any], file_bytes: int, waves: int, threads: i
     pool = staging.StagingPool(slots=2, pin=False)
     try:
         ref_slot = pool.acquire(plan.buffer_bytes)
-        staging.copy_into(ref_slot, plan, locations, flat)  # the reference image, copied in one go
+        copier.copy_into(ref_slot, plan, locations, flat)  # the reference image, copied in one go
         assert ref_slot.buffer is not None
         slot = pool.acquire(plan.buffer_bytes)
         assert slot is not ref_slot and slot.buffer is not None
@@ -78,7 +78,7 @@ def _checked_copy(state: dict[str, Any], file_bytes: int, waves: int, threads: i
         flat = tree.flatten(state)  # copy_into's caller owns the values list; a fresh one
         progress = _CheckedProgress([f.size for f in plan.files], slot, ref_slot.buffer,
                                     [f.buffer_offset for f in plan.files])
-        staging.copy_into(slot, plan, locations, flat, progress=progress, waves=waves,
+        copier.copy_into(slot, plan, locations, flat, progress=progress, waves=waves,
                           executor=pool.copy_executor() if threads > 1 else None)
         progress.finish()
         for f in plan.files:  # every file image complete (the padding between images is never written)
@@ -93,7 +93,7 @@ def _checked_copy(state: dict[str, Any], file_bytes: int, waves: int, threads: i
 
 
 def test_watermarks_cover_only_copied_bytes_in_wave_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", MiB)
+    monkeypatch.setattr(copier, "PIPELINE_GROUP_BYTES", MiB)
     state = _state(24, 96 * 1024, seed=1)  # 24 tensors of 384 KiB
     plan, calls = _checked_copy(state, 2 * MiB, waves=2)
     files = len(plan.files)
@@ -112,10 +112,10 @@ def test_tensors_larger_than_a_group_are_copied_in_pieces(monkeypatch: pytest.Mo
     """A tensor larger than a group raises its file's watermark piece by piece (contiguous sources), or once with
     its first piece (strided ones); small tensors around it, split over copy threads (torch's path) or not, stay
     correct."""
-    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", MiB)
+    monkeypatch.setattr(copier, "PIPELINE_GROUP_BYTES", MiB)
     if torch_path:
         monkeypatch.setattr(hostcopy, "available", False)
-    monkeypatch.setattr(staging, "PIPELINE_SPLIT_MIN_TENSORS", 8)
+    monkeypatch.setattr(copier, "PIPELINE_SPLIT_MIN_TENSORS", 8)
     g = torch.Generator().manual_seed(4)
     state: dict[str, Any] = {"small_a": {f"n{i}": torch.randn(300, generator=g) for i in range(20)}}
     state["emb"] = torch.randn(917_503, generator=g)  # 3.5 MiB less 4 bytes: the last piece is short
@@ -204,10 +204,10 @@ def test_hashing_waits_for_the_copy_and_for_the_caller_to_stop_waiting() -> None
                               "many_small-no-overlap-torch"])
 def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int,
                                             overlap: bool, torch_path: bool) -> None:
-    """Also with more small tensors than :data:`staging.THREADED_MIN_TENSORS` (a real model's norms and biases):
+    """Also with more small tensors than :data:`copier.THREADED_MIN_TENSORS` (a real model's norms and biases):
     on torch's copy path their group is split over the copy threads, and the rest of the copy is still pipelined.
     With ``overlap_writes=False`` no byte is written before the copy ends."""
-    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
+    monkeypatch.setattr(copier, "PIPELINE_GROUP_BYTES", 4 * MiB)
     if torch_path:
         monkeypatch.setattr(hostcopy, "available", False)
     state = _state(20, MiB, seed=2)  # 80 MiB in 20 tensors of 4 MiB, two files of 40 MiB (at most 48 MiB each)
@@ -217,7 +217,7 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
     copies: list[float] = []
     copy_threads: set[str] = set()
     writes: list[float] = []
-    real_copy, real_write = staging._copy_tensors, local_store._LocalWriteStream.write
+    real_copy, real_write = copier._copy_tensors, local_store._LocalWriteStream.write
 
     def slow_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *rest: Any) -> None:
         real_copy(dsts, srcs, *rest)
@@ -235,7 +235,7 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
     try:
         with CheckpointManager(tmp_path / "c", file_size_mb=48, writer_threads=2, overlap_writes=overlap) as mgr:
             want = clone_tree(state)
-            monkeypatch.setattr(staging, "_copy_tensors", slow_copy)
+            monkeypatch.setattr(copier, "_copy_tensors", slow_copy)
             monkeypatch.setattr(local_store._LocalWriteStream, "write", spy_write)
             handle = mgr.save(1, state)
             assert handle.staged.done() and handle.staged.exception() is None
@@ -257,7 +257,7 @@ def test_writers_start_before_the_copy_ends(tmp_path: Path, monkeypatch: pytest.
 
 def _failing_copy(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> list[int]:
     calls = [0]
-    real = staging._copy_tensors
+    real = copier._copy_tensors
 
     def failing(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *rest: Any) -> None:
         calls[0] += 1
@@ -266,13 +266,13 @@ def _failing_copy(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> list[int]:
         real(dsts, srcs, *rest)
         time.sleep(0.01)  # give the writers time to start on the first groups
 
-    monkeypatch.setattr(staging, "_copy_tensors", failing)
+    monkeypatch.setattr(copier, "_copy_tensors", failing)
     return calls
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_a_copy_failing_mid_way_is_reported_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
-    monkeypatch.setattr(staging, "PIPELINE_GROUP_BYTES", 4 * MiB)
+    monkeypatch.setattr(copier, "PIPELINE_GROUP_BYTES", 4 * MiB)
     state = _state(20, MiB, seed=3)
     root = tmp_path / "c"
     with CheckpointManager(root, file_size_mb=40, lazy_snapshot=lazy, keep_local=5, overlap_writes=True) as mgr:
@@ -368,8 +368,8 @@ def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monk
     torch.set_num_threads(2)
     try:
         for cores, want in ((3, False), (4, True), (64, True), (1, False)):
-            monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
-            assert staging.overlap_pays(2) is want, cores
+            monkeypatch.setattr(copier.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+            assert copier.overlap_pays(2) is want, cores
             with CheckpointManager(tmp_path / f"auto{cores}", writer_threads=2) as mgr:
                 assert mgr._overlap is want
             for forced in (True, False):
@@ -385,8 +385,8 @@ def test_overlap_writes_is_automatic_with_the_native_copy(tmp_path: Path, monkey
     """Auto, with the native streaming copy: write while copying whatever the core count; False still forces the
     copy first."""
     monkeypatch.setattr(hostcopy, "available", True)
-    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert staging.overlap_pays(2) is True
+    monkeypatch.setattr(copier.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert copier.overlap_pays(2) is True
     with CheckpointManager(tmp_path / "auto") as mgr:
         assert mgr._overlap is True
     with CheckpointManager(tmp_path / "off", overlap_writes=False) as mgr:

@@ -36,7 +36,7 @@ from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
 from .options import Options, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
-from .snapshot import staging, tree
+from .snapshot import copier, staging, tree
 from .status import StepInfo, list_steps
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
@@ -82,7 +82,7 @@ class CheckpointManager:
         overlap_writes: start writing each file while the rest of a host state is still being copied (durable
             sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
             copy not built) only when the process has a core for each copy thread and each writer, because on
-            fewer the writes slow the copy that training waits for (:func:`staging.overlap_pays`).
+            fewer the writes slow the copy that training waits for (:func:`copier.overlap_pays`).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
@@ -160,7 +160,7 @@ class CheckpointManager:
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin)
         overlap = self.options.overlap_writes
-        self._overlap = staging.overlap_pays(self.options.writer_threads) if overlap is None else overlap
+        self._overlap = copier.overlap_pays(self.options.writer_threads) if overlap is None else overlap
         self._copy_stream = torch.cuda.Stream() if cuda else None
         self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
         self._hash = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-hash")
@@ -218,7 +218,7 @@ class CheckpointManager:
         def stage() -> None:
             try:
                 faults.point("staging")
-                staging.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
+                copier.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
                                   executor=self._pool.copy_executor(),
                                   progress=progress if self._overlap else None, waves=self.options.writer_threads)
             except BaseException as exc:

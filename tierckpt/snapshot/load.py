@@ -26,9 +26,9 @@ import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format.manifest import TensorRecord
+from .copier import copy_tensors
 from .dtensor import is_dtensor, target_box
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
-from .staging import copy_tensors
 from .tree import MAX_DEPTH, is_stateful
 
 TensorSource = Callable[[int], torch.Tensor]
