@@ -49,6 +49,11 @@ def _same(a: tree.FlatState, b: tree.FlatState) -> None:
     assert len(a.values) == len(b.values)
     # the same memory (a module's state_dict() returns new tensor objects over its parameters every call)
     assert [(x.data_ptr(), x.dtype, x.shape) for x in a.values] == [(y.data_ptr(), y.dtype, y.shape) for y in b.values]
+    for flat in (a, b):  # the addresses the save's copy reuses are those of the values, on every path
+        assert len(flat.ptrs) == len(flat.values)
+        for ptr, value, spec in zip(flat.ptrs, flat.values, flat.specs, strict=True):
+            if isinstance(value, torch.Tensor) and spec.nbytes:
+                assert ptr == value.data_ptr(), spec.name
 
 
 def test_nested_batch_encodes_like_the_per_item_path(monkeypatch: pytest.MonkeyPatch) -> None:

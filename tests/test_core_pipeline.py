@@ -138,6 +138,60 @@ def test_tensors_larger_than_a_group_are_copied_in_pieces(monkeypatch: pytest.Mo
         assert len(inside) == pieces and inside[-1] == hi, (name, inside)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_checked_copy_uses_the_flattens_addresses_and_only_for_its_plan(pipelined: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``copy_into(layout_checked=True)`` (an eager save: the flatten ran just before) copies from the addresses the
+    flatten read, without reading layouts again, and refuses a state flattened for another plan."""
+    monkeypatch.setattr(copier, "PIPELINE_GROUP_BYTES", MiB)
+    state, twin = _state(12, 64 * 1024, seed=2), _state(12, 64 * 1024, seed=3)  # same layout, other values
+    flat = tree.flatten(state)
+    plan = make_plan(flat.specs, file_bytes=2 * MiB, min_files=2)
+    locations = staging.leaf_locations(plan)
+    pool = staging.StagingPool(slots=1, pin=False)
+    try:
+        slot = pool.acquire(plan.buffer_bytes)
+        flat.ptrs[:] = tree.flatten(twin).ptrs  # white box: these addresses are what the copy reads
+        progress = staging.CopyProgress([f.size for f in plan.files]) if pipelined else None
+        copier.copy_into(slot, plan, locations, flat, progress=progress, layout_checked=True)
+        got = copier.destination_views(slot, plan, locations, ["torch"] * len(plan.signature))
+        want = [twin["model"][k] for k in twin["model"]]
+        if hostcopy.available:  # the native copy takes the addresses; torch's copy_ reads the tensors themselves
+            want_names = [s.name for s in plan.signature]
+            assert want_names == [f"model.{k}" for k in twin["model"]]
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        else:
+            assert all(torch.equal(g, w) for g, w in zip(got, tree.flatten(state).values, strict=True))
+        other = tree.flatten(_state(13, 64 * 1024, seed=2))
+        with pytest.raises(ValueError, match="another plan"):
+            copier.copy_into(slot, plan, locations, other, layout_checked=True)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_only_an_eager_save_vouches_for_the_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   lazy: bool) -> None:
+    """An eager save copies right after its flatten (nothing reads the layout twice); a lazy snapshot copies while
+    training runs, so its copy reads every source's attributes again."""
+    seen: list[bool] = []
+    real = copier.copy_into
+
+    def spy(*args: Any, layout_checked: bool = False, **kwargs: Any) -> None:
+        seen.append(layout_checked)
+        real(*args, layout_checked=layout_checked, **kwargs)
+
+    monkeypatch.setattr(copier, "copy_into", spy)
+    state = _state(10, 4096, seed=4)
+    with CheckpointManager(tmp_path / "c", lazy_snapshot=lazy) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state)
+            mgr.snapshot_barrier()
+        mgr.wait()
+        _assert_restores(mgr, clone_tree(state), 2)
+    assert seen == [not lazy, not lazy]
+
+
 def test_copy_progress_wakes_waiters_and_reports_failure() -> None:
     progress = staging.CopyProgress([100, 200])
     woke: list[str] = []

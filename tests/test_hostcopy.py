@@ -155,6 +155,44 @@ def test_a_batch_copies_everything_or_nothing() -> None:
         hostcopy.Batch([torch.zeros(4, 4).t()])
 
 
+@needs_native
+def test_a_checked_batch_reads_only_the_lazy_bits_and_contiguity() -> None:
+    """``layout_checked``: the caller vouches for device, dtype and shape (and may pass the addresses it read); the
+    batch still refuses strided sources and lazy bits, and copies from the given addresses."""
+    g = torch.Generator().manual_seed(4)
+    srcs = [torch.randn(700, generator=g), torch.randn(5, 9, generator=g).to(torch.bfloat16)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    batch = hostcopy.Batch(dsts)
+    for why, others in {"strided": [srcs[0], srcs[1].t().contiguous().t()],
+                        "neg": [srcs[0], torch._neg_view(srcs[1])]}.items():
+        assert hostcopy.copy_batch(batch, others, layout_checked=True) is False, why
+        assert not any(d.any() for d in dsts), f"{why}: a byte was copied"
+    # the addresses given are the ones read: here those of other tensors of the same layout
+    others = [torch.randn(700, generator=g), torch.randn(5, 9, generator=g).to(torch.bfloat16)]
+    addr = np.array([t.data_ptr() for t in others], dtype=np.uint64)
+    assert hostcopy.copy_batch(batch, srcs, layout_checked=True, src_addr=addr) is True
+    assert all(torch.equal(d, s) for d, s in zip(dsts, others, strict=True))
+    assert hostcopy.copy_batch(batch, srcs, layout_checked=True) is True
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+    for bad in (addr[:1], addr.astype(np.int64)):
+        with pytest.raises(ValueError, match="src_addr"):
+            hostcopy.copy_batch(batch, srcs, layout_checked=True, src_addr=bad)
+
+
+@needs_native
+def test_a_complex_batch_still_checks_the_conjugate_bit() -> None:
+    """Only complex tensors carry a lazy conjugate bit, so a batch reads it only where a destination is complex."""
+    src = torch.randn(64, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+    dst = torch.zeros_like(src)
+    batch = hostcopy.Batch([dst])
+    assert batch.complex and not hostcopy.Batch([torch.zeros(3)]).complex
+    for checked in (False, True):
+        assert hostcopy.copy_batch(batch, [src.conj()], layout_checked=checked) is False
+        assert not dst.any()
+    assert hostcopy.copy_batch(batch, [src], layout_checked=True) is True
+    assert torch.equal(dst, src)
+
+
 def test_copy_pairs_hands_everything_back_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hostcopy, "available", False)
     dsts, srcs = [torch.zeros(4)], [torch.ones(4)]

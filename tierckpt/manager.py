@@ -220,7 +220,8 @@ class CheckpointManager:
                 faults.point("staging")
                 copier.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
                                   executor=self._pool.copy_executor(),
-                                  progress=progress if self._overlap else None, waves=self.options.writer_threads)
+                                  progress=progress if self._overlap else None, waves=self.options.writer_threads,
+                                  layout_checked=not self.options.lazy_snapshot)  # lazy: user code ran since
             except BaseException as exc:
                 progress.fail(exc)  # the persist job gives up on these bytes and releases the slot
                 raise

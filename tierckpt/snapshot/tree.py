@@ -119,6 +119,9 @@ class FlatState:
     stateful_paths: list[str] = field(default_factory=list)
     all_cpu: bool = True  # every torch leaf is in host memory (the copy needs no device-to-host path)
     memo: FlattenMemo | None = None
+    #: Each leaf's data pointer as read by this flatten (0 for arrays; any value for empty tensors, which are never
+    #: copied): the copy that follows at once reuses them (see :func:`.copier.copy_into`'s ``layout_checked``) instead of reading them again.
+    ptrs: list[int] = field(default_factory=list)
 
     @property
     def leaves(self) -> list[Leaf]:
@@ -174,6 +177,7 @@ class _Flattener:
     def __init__(self, memo: FlattenMemo | None) -> None:
         # one column per leaf attribute
         self.values: list[Any] = []
+        self.ptrs: list[int] = []
         self.kinds: list[str] = []
         self.codes: list[str] = []
         self.shapes: list[tuple[int, ...]] = []
@@ -192,9 +196,10 @@ class _Flattener:
         self.nodes: dict[tuple[str, str | None], _NodeMemo] = {}
 
     def _append(self, value: Any, kind: str, code: str, shape: tuple[int, ...], nbytes: int, path: str,
-                prefix: str | None, shard: dict[str, Any] | None = None) -> int:
+                prefix: str | None, shard: dict[str, Any] | None = None, ptr: int = 0) -> int:
         idx = len(self.values)
         self.values.append(value)
+        self.ptrs.append(ptr)
         self.kinds.append(kind)
         self.codes.append(code)
         self.shapes.append(shape)
@@ -212,6 +217,7 @@ class _Flattener:
             _refuse_tensor(t, path)
         numel = t.numel()
         idx = len(self.values)
+        ptr = 0
         if numel:
             ptr = t.data_ptr()
             first = self.by_ptr.get(ptr)
@@ -228,7 +234,7 @@ class _Flattener:
         if not is_cpu:
             self.all_cpu = False
         # no detach(): the copy into staging runs under no_grad, and a detach costs microseconds per tensor
-        return self._append(t, "torch", code, tuple(t.shape), numel * ITEMSIZE[code], path, prefix, shard)
+        return self._append(t, "torch", code, tuple(t.shape), numel * ITEMSIZE[code], path, prefix, shard, ptr)
 
     def add_array(self, a: np.ndarray, path: str, prefix: str | None) -> int:
         code = NUMPY_TO_CODE.get(a.dtype.newbyteorder("=")) if a.dtype.byteorder not in ("|", "=") else NUMPY_TO_CODE.get(a.dtype)
@@ -329,7 +335,7 @@ class _Flattener:
         if not all_cpu:
             self.all_cpu = False
         self.by_ptr.update(fresh)
-        self._extend(vals, codes, shapes, nbytes, None, memo.paths, memo.bases, 0, n)
+        self._extend(vals, codes, shapes, nbytes, ptrs, memo.paths, memo.bases, 0, n, record=False)
         if memo.first == first and memo.items is not None and memo.codes is codes and memo.shapes is shapes:
             self.nodes[(path, prefix)] = memo
             return memo.items
@@ -360,10 +366,10 @@ class _Flattener:
         self.nodes[(path, prefix)] = _NodeMemo(keys, memo.paths, memo.bases, dtypes, codes, shapes, nbytes)
         return items
 
-    def _extend(self, vals: list, codes: list[str], shapes: list, nbytes: list[int], ptrs: list[int] | None,
-                paths: list[str], bases: list[str], a: int, b: int) -> None:
-        """Append tensors ``a:b`` of a batch (and record their data pointers ``ptrs``, which no earlier leaf has
-        and which are all distinct, unless the caller did)."""
+    def _extend(self, vals: list, codes: list[str], shapes: list, nbytes: list[int], ptrs: list[int],
+                paths: list[str], bases: list[str], a: int, b: int, *, record: bool = True) -> None:
+        """Append tensors ``a:b`` of a batch (and, with ``record``, index their data pointers ``ptrs``, which no
+        earlier leaf has and which are all distinct, for finding aliases)."""
         if a == 0 and b == len(vals):
             sl = slice(None)
         elif a >= b:
@@ -373,9 +379,10 @@ class _Flattener:
         first = len(self.values)
         nb = nbytes[sl]
         idx = range(first, first + len(nb))
-        if ptrs is not None:
+        if record:
             self.by_ptr.update(zip(ptrs[sl], idx) if 0 not in nb else compress(zip(ptrs[sl], idx), nb))
         self.values += vals[sl]
+        self.ptrs += ptrs[sl]
         self.kinds += ["torch"] * len(nb)
         self.codes += codes[sl]
         self.shapes += shapes[sl]
@@ -488,5 +495,5 @@ def flatten(state: Mapping[str, Any], memo: FlattenMemo | None = None) -> FlatSt
     else:
         specs = tuple(map(LeafSpec, names, f.codes, f.shapes, f.nbytes))
     new_memo = FlattenMemo(f.nodes, f.bases, names, f.codes, f.shapes, f.nbytes, specs)
-    return FlatState(tree, f.values, f.kinds, specs, f.paths, f.shards, f.stateful, f.all_cpu, new_memo)
+    return FlatState(tree, f.values, f.kinds, specs, f.paths, f.shards, f.stateful, f.all_cpu, new_memo, f.ptrs)
 
