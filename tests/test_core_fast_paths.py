@@ -271,6 +271,61 @@ def test_tied_and_untied_targets_of_one_saved_tensor(tmp_path: Path, in_place: b
                 assert_tensor_equal(live[k], v, k)
 
 
+def test_a_default_restore_copies_many_tensors_from_the_loaded_buffer_in_one_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A default restore copies its plain tensors straight from the loaded bytes (no view per tensor) where the
+    native copy is built, and gives the same state as torch's copies."""
+    from tierckpt.snapshot import hostcopy
+
+    g = torch.Generator().manual_seed(12)
+    state = {"model": {f"w{i}": torch.randn(7 + i % 5, 3, generator=g) for i in range(300)},
+             "half": torch.randn(1000, generator=g).to(torch.bfloat16), "step": 4}
+    want = {"model": {k: v.clone() for k, v in state["model"].items()}, "half": state["half"].clone(), "step": 4}
+    calls: list[int] = []
+    real = hostcopy.copy_from_addresses
+
+    def spy(dsts: list[torch.Tensor], *args: object, **kwargs: object) -> bool:
+        ok = real(dsts, *args, **kwargs)  # type: ignore[arg-type]
+        calls.append(len(dsts) if ok else -len(dsts))
+        return ok
+
+    monkeypatch.setattr(hostcopy, "copy_from_addresses", spy)
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        for native in (True, False):
+            monkeypatch.setattr(hostcopy, "available", native and hostcopy._hostcopy is not None)
+            live = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+                    "half": torch.zeros_like(want["half"]), "step": 0}
+            calls.clear()
+            assert mgr.restore(live) == 1
+            assert live["step"] == 4
+            assert_tensor_equal(live["half"], want["half"], "half")
+            for k, v in want["model"].items():
+                assert_tensor_equal(live["model"][k], v, k)
+            assert calls == ([301] if hostcopy.available else []), calls
+
+
+def test_loaded_buffer_ranges_are_bounds_checked() -> None:
+    """The addresses a restore copies from are checked against its buffer: a record outside it, or one read
+    elsewhere (straight into a live tensor), leaves the copy to torch."""
+    from tierckpt.format.manifest import TensorRecord
+    from tierckpt.snapshot.load import LoadedBuffer
+
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    recs = (TensorRecord(0, "a", "p", "F32", (10,), 0, 8, 40, "x"), TensorRecord(1, "b", "p", "U8", (100,), 1, 0, 100, "x"),
+            TensorRecord(2, "c", "p", "U8", (100,), 1, 850, 100, "x"), TensorRecord(3, "d", "p", "U8", (1,), 2, 0, 1, "x"))
+    loaded = LoadedBuffer(buf, (0, 100))
+    got = loaded.ranges(recs, [1, 0])
+    assert got is not None
+    addr, lengths = got
+    assert addr.tolist() == [buf.data_ptr() + 100, buf.data_ptr() + 8] and lengths.tolist() == [100, 40]
+    assert loaded.ranges(recs, [0, 2]) is None  # 100 + 850 + 100 > 1000
+    assert loaded.ranges(recs, [3]) is None  # no file 2
+    assert LoadedBuffer(buf, (0, 100), frozenset({0})).ranges(recs, [0, 1]) is None
+    assert LoadedBuffer(buf[::2], (0, 100)).ranges(recs, [0]) is None
+
+
 def test_in_place_option_is_validated(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="in_place"):
         mgr.restore({}, in_place=1)  # type: ignore[arg-type]

@@ -193,6 +193,41 @@ def test_a_complex_batch_still_checks_the_conjugate_bit() -> None:
     assert torch.equal(dst, src)
 
 
+@needs_native
+def test_copying_from_addresses_into_live_tensors_all_or_nothing() -> None:
+    """``copy_from_addresses``: buffer ranges into plain, non-overlapping live tensors of exactly those lengths, in
+    one call; any doubt about a destination copies nothing."""
+    g = torch.Generator().manual_seed(6)
+    buf = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=g)
+    base = buf.data_ptr()
+    spans = [(0, 400), (400, 4), (1000, 8000), (9000, 0)]
+    addr = np.array([base + a for a, _ in spans], dtype=np.uint64)
+    lengths = np.array([n for _, n in spans], dtype=np.uint64)
+
+    def fresh() -> list[torch.Tensor]:
+        return [torch.zeros(100), torch.zeros(2, dtype=torch.int16), torch.zeros(4000, dtype=torch.bfloat16),
+                torch.zeros(0)]
+
+    whole = torch.zeros(200)
+    bad = {
+        "strided": [torch.zeros(10, 10).t(), *fresh()[1:]],
+        "neg": [torch._neg_view(torch.zeros(100)), *fresh()[1:]],
+        "size": [torch.zeros(99), *fresh()[1:]],
+        "overlap": [whole[:100], whole[50:51].view(torch.int16), *fresh()[2:]],
+    }
+    for why, dsts in bad.items():
+        assert hostcopy.copy_from_addresses(dsts, addr, lengths) is False, why
+        assert not any(d.any() for d in dsts), f"{why}: a byte was copied"
+    assert not whole.any()
+    for wrong in ((addr[:2], lengths), (addr, lengths.astype(np.int64))):
+        assert hostcopy.copy_from_addresses(fresh(), *wrong) is False
+    dsts = fresh()
+    assert hostcopy.copy_from_addresses(dsts, addr, lengths, threads=2) is True
+    for d, (a, n) in zip(dsts, spans, strict=True):
+        assert torch.equal(d.view(torch.uint8).reshape(-1), buf[a : a + n])
+    assert hostcopy.copy_from_addresses([], addr[:0], lengths[:0]) is True
+
+
 def test_copy_pairs_hands_everything_back_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hostcopy, "available", False)
     dsts, srcs = [torch.zeros(4)], [torch.ones(4)]

@@ -26,7 +26,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismat
 from .format import hashing, layout
 from .format.manifest import RankManifest, RankRef, StepManifest
 from .snapshot.dtensor import assemble, target_box, to_live_layout
-from .snapshot.load import plan_restore, tensor_view_factory
+from .snapshot.load import LoadedBuffer, plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.reader import PendingLoad, Prefetch, read_ranks, read_step, start_load
@@ -192,7 +192,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         views_of = tensor_view_factory(rm.tensors, raw, buffer=buf, file_starts=offsets,
                                        skip=frozenset(direct))
         plan.apply(rm.tensors, views_of, step=step,
-                   dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]))
+                   dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]),
+                   loaded=LoadedBuffer(buf, tuple(offsets), frozenset(direct)))
         if cache:
             _cache_locally(mgr.local, manifest, rm, views)
 

@@ -11,13 +11,17 @@ The copying is the optional C extension :mod:`tierckpt._hostcopy` (``tierckpt/_h
 built (no compiler at install time) :data:`available` is False and every caller falls back to ``copy_``; where the
 CPU is not x86-64 it copies with ``memcpy`` on the same threads.
 
-Two entry points: :func:`copy_batch` copies a whole list of sources into fixed destinations (a staging slot's
+Three entry points: :func:`copy_batch` copies a whole list of sources into fixed destinations (a staging slot's
 views, read once into a :class:`Batch`) or nothing, checking the sources in one C-level pass per attribute;
-:func:`copy_pairs` takes the large plain pairs out of any list one by one. Invariants: only plain CPU tensors (of
-at least :data:`MIN_BYTES` in :func:`copy_pairs`), of one dtype and shape, both contiguous, with no lazy conjugate
-or negative bit and non-overlapping, are copied here (the rest goes back to the caller); both return once every
-byte is copied and fenced, so a thread that synchronises with the caller afterwards (a writer woken by a
-watermark, a joined future) reads the new bytes.
+:func:`copy_from_addresses` copies ranges of a buffer (a restore's loaded bytes) into a list of live tensors or
+nothing; :func:`copy_pairs` takes the large plain pairs out of any list one by one.
+
+Invariants: bytes are written only into contiguous CPU tensors with no lazy conjugate or negative bit, and read
+only from plain CPU tensors of the destination's dtype and shape (of at least :data:`MIN_BYTES` in
+:func:`copy_pairs`) or from address ranges the caller vouches for; everything else goes back to the caller. The
+ranges of one call are copied in no set order, so :func:`copy_from_addresses` refuses overlapping destinations
+(a batch's are a slot's views, which never overlap; :func:`copy_pairs` leaves it to its caller). Every call returns once every byte is copied and fenced, so a thread that synchronises with the
+caller afterwards (a writer woken by a watermark, a joined future) reads the new bytes.
 """
 
 from __future__ import annotations
@@ -169,4 +173,35 @@ def copy_batch(batch: Batch, srcs: list[torch.Tensor], *, threads: int | None = 
     return True
 
 
-__all__ = ["Batch", "available", "copy_batch", "copy_pairs", "default_threads", "eligible", "streaming"]
+def copy_from_addresses(dsts: list[torch.Tensor], src_addr: np.ndarray, lengths: np.ndarray, *,
+                        threads: int | None = None) -> bool:
+    """Copy ``lengths[i]`` bytes from address ``src_addr[i]`` into ``dsts[i]`` for every i, in one native call, when
+    every destination is a contiguous CPU tensor of exactly that many bytes with no lazy bits and no two destinations
+    overlap; else copy nothing and return False (the caller then copies with torch).
+
+    For a restore's copy out of its loaded buffer into thousands of live tensors: the sources need no tensor views
+    (10,000 of them cost about 40 ms). The caller vouches for the sources: ``lengths[i]`` readable bytes at each
+    address (ranges of the buffer it bounds-checked), none inside a destination.
+    """
+    n = len(dsts)
+    if not available or src_addr.shape != (n,) or lengths.shape != (n,) or src_addr.dtype != np.uint64 \
+            or lengths.dtype != np.uint64:
+        return False
+    if not n:
+        return True
+    if (not np.array_equal(np.fromiter(map(_NBYTES, dsts), dtype=np.uint64, count=n), lengths)
+            or not all(map(_IS_CPU, dsts)) or not all(map(_CONTIGUOUS, dsts)) or any(map(_IS_NEG, dsts))
+            or any(map(_IS_CONJ, dsts))):
+        return False
+    dst_addr = np.fromiter(map(_PTR, dsts), dtype=np.uint64, count=n)
+    order = np.argsort(dst_addr, kind="stable")
+    starts = dst_addr[order]
+    if n > 1 and not (starts[:-1] + lengths[order][:-1] <= starts[1:]).all():
+        return False  # views of one tensor (or the same tensor twice): torch's copies keep their order
+    assert _hostcopy is not None
+    _hostcopy.copy(dst_addr, src_addr, lengths, default_threads() if threads is None else threads, True)
+    return True
+
+
+__all__ = ["Batch", "available", "copy_batch", "copy_from_addresses", "copy_pairs", "default_threads", "eligible",
+           "streaming"]

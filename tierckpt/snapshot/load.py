@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import operator
 from collections.abc import Callable, Hashable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +27,43 @@ import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format.manifest import TensorRecord
+from . import hostcopy
 from .copier import copy_tensors
 from .dtensor import is_dtensor, target_box
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
 from .tree import MAX_DEPTH, is_stateful
 
 TensorSource = Callable[[int], torch.Tensor]
+_FILE, _OFFSET, _NBYTES = operator.attrgetter("file"), operator.attrgetter("offset"), operator.attrgetter("nbytes")
+
+
+@dataclass(frozen=True)
+class LoadedBuffer:
+    """Where a restore's loaded bytes lie: file ``f``'s image from byte ``file_starts[f]`` of ``buffer`` (uint8, in
+    host memory), except the records in ``skip`` (read straight into live tensors)."""
+
+    buffer: torch.Tensor
+    file_starts: tuple[int, ...]
+    skip: frozenset[int] = frozenset()
+
+    def ranges(self, records: tuple[TensorRecord, ...], idx: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(addresses, lengths) of the bytes of records ``idx``, bounds-checked against the buffer; None when one of
+        them is not in it."""
+        buf = self.buffer
+        if not self.skip.isdisjoint(idx) or not buf.is_cpu or buf.dtype != torch.uint8 or not buf.is_contiguous():
+            return None
+        recs = list(map(records.__getitem__, idx))
+        n = len(recs)
+        files = np.fromiter(map(_FILE, recs), dtype=np.int64, count=n)
+        offsets = np.fromiter(map(_OFFSET, recs), dtype=np.uint64, count=n)
+        lengths = np.fromiter(map(_NBYTES, recs), dtype=np.uint64, count=n)
+        starts = np.array(self.file_starts, dtype=np.uint64)
+        if n and (files.min() < 0 or files.max() >= len(starts)):
+            return None
+        pos = starts[files] + offsets
+        if n and (pos + lengths > np.uint64(buf.numel())).any():
+            return None
+        return pos + np.uint64(buf.data_ptr()), lengths
 
 
 class _Decoder:
@@ -154,16 +186,24 @@ class RestorePlan:
     copies: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     def apply(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
-              dtensor: Callable[[str], Any] | None = None) -> None:
+              dtensor: Callable[[str], Any] | None = None, loaded: LoadedBuffer | None = None) -> None:
+        """Change the state. ``loaded``: where ``tensor(i)``'s bytes lie, so that the plain tensors are copied
+        straight from there in one native call (no view per tensor) when every live one is a plain host tensor."""
         dec = _Decoder(records, tensor, step=step, dtensor=dtensor, direct=frozenset(self.direct))
         # decode everything first (a malformed node raises here, before the state is touched), then commit. No
         # commit reads a live tensor another one writes (decoded values are views of the loaded bytes or clones),
         # so the tensor copies can run together, after the others.
         commits = [action(dec) for action in self.actions]
-        srcs = [tensor(i) for _, i in self.copies]
+        idx = [i for _, i in self.copies]
+        ranges = loaded.ranges(records, idx) if loaded is not None and hostcopy.available and idx else None
+        srcs = [tensor(i) for i in idx] if ranges is None else None
         for commit in commits:
             commit()
-        _copy_all([d for d, _ in self.copies], srcs)
+        dsts = [d for d, _ in self.copies]
+        # the live tensors are read after the commits (a load_state_dict may have replaced some memory)
+        if ranges is not None and hostcopy.copy_from_addresses(dsts, *ranges):
+            return
+        _copy_all(dsts, srcs if srcs is not None else [tensor(i) for i in idx])
 
 
 def _mismatch(msg: str, path: str, step: int | None) -> StateMismatchError:
