@@ -26,7 +26,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismat
 from .format import hashing, layout
 from .format.manifest import RankManifest, RankRef, StepManifest
 from .snapshot.dtensor import assemble, target_box, to_live_layout
-from .snapshot.load import LoadedBuffer, plan_restore, tensor_view_factory
+from .snapshot.load import LoadedBuffer, byte_view, plan_restore, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.reader import PendingLoad, Prefetch, read_ranks, read_step, start_load
@@ -162,10 +162,10 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             raise StateMismatchError(
                 f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed "
                 "tensors (DTensor/FSDP2 state) can be resharded", step=step, tier=store.tier)
-        if pending is None:
-            direct = {i: t.reshape(-1).view(torch.uint8) for i, t in plan.direct.items()}  # the live tensors' bytes
+        if pending is None:  # the live tensors' own bytes (plan.direct keeps them alive)
+            direct = plan.direct
             pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash,
-                                 direct={i: memoryview(b.numpy()) for i, b in direct.items()})
+                                 direct={i: byte_view(t) for i, t in direct.items()})
         views, offsets = pending.result()
     except BaseException:
         if pending is not None:
@@ -177,7 +177,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
 
     def raw(i: int) -> torch.Tensor:
         if i in direct:  # the live tensor itself: the copy in ``apply`` finds nothing to do
-            return direct[i]
+            return direct[i].reshape(-1).view(torch.uint8)
         rec = rm.tensors[i]
         start = offsets[rec.file] + rec.offset
         return buf[start : start + rec.nbytes]

@@ -173,16 +173,23 @@ def _checked_tensors(items: list[Any], files: list[FileRecord], step: int | None
 _TENSOR_KEYS = operator.itemgetter("index", "name", "path", "dtype", "shape", "file", "offset", "nbytes", "checksum",
                                    "kind")
 _MAX_DIM = 1 << 48
+_N_FIELDS = len(fields(TensorRecord))
+_new = object.__new__
+_set = object.__setattr__  # TensorRecord is frozen: its own __setattr__ refuses
 
 
 def _well_formed_tensors(items: list[Any], files: list[FileRecord]) -> list[TensorRecord] | None:
     """The tensor records when every one passes the same checks as ``RankManifest.from_bytes``'s field-by-field loop
     (a fast path for 10,000 records); None at the first doubt (a shard, a missing or odd field), and the field-by-field
-    loop then names the problem or accepts what this path does not handle."""
+    loop then names the problem or accepts what this path does not handle.
+
+    A parsed record dict holding exactly the record's fields becomes the record's ``__dict__`` (building 10,000
+    frozen dataclasses field by field costs about 30 ms); ``items`` is changed only once every record passed."""
     sizes = [f.size for f in files]
     starts = [f.data_start for f in files]
     n_files = len(files)
-    out = []
+    out: list[TensorRecord] = []
+    adopted: list[dict[str, Any]] = []
     for i, td in enumerate(items):
         if type(td) is not dict or td.get("shard") is not None:
             return None
@@ -205,7 +212,15 @@ def _well_formed_tensors(items: list[Any], files: list[FileRecord]) -> list[Tens
             numel *= dim
         if numel * ITEMSIZE[dtype] != nbytes:
             return None
-        out.append(TensorRecord(i, name, path, dtype, tuple(shape), fidx, offset, nbytes, checksum, kind))
+        if len(td) == _N_FIELDS:  # exactly the fields (the ten above and a null shard): the dict becomes the record's
+            rec = _new(TensorRecord)
+            _set(rec, "__dict__", td)
+            out.append(rec)
+            adopted.append(td)
+        else:  # older manifests (no "shard"), or extra keys: ignored, as the field-by-field loop does
+            out.append(TensorRecord(i, name, path, dtype, tuple(shape), fidx, offset, nbytes, checksum, kind))
+    for td in adopted:  # only now (a None above leaves ``items`` as parsed, for the field-by-field loop)
+        td["shape"] = tuple(td["shape"])
     return out
 
 
