@@ -279,8 +279,8 @@ def copy_into(slot: Slot, plan: SnapshotPlan, locations: list[tuple[int, int]], 
     ``layout_checked``: ``flat`` was flattened just now, on this thread, with no user code run since, and
     ``flat.specs`` equal ``plan.signature``; so every value still has the device, dtype and shape the plan was made
     for at the addresses in ``flat.ptrs``; the native copy reuses those and reads only the lazy bits and
-    contiguity (see :func:`hostcopy.copy_batch`). A lazy
-    snapshot, which copies later while training runs, passes False: there every attribute is read again.
+    contiguity (see :func:`hostcopy.copy_batch`). A lazy snapshot, which copies later while training runs, passes
+    False: there every attribute is read again.
     """
     assert slot.buffer is not None
     if layout_checked and flat.specs is not plan.signature and flat.specs != plan.signature:
@@ -369,8 +369,8 @@ def _copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
                   src_addr: np.ndarray | None = None) -> None:
     """``dsts[i].copy_(srcs[i])`` for all i (both release the GIL): with the native copy (:mod:`.hostcopy`), all
     in one call on ``batch()``'s fixed destinations when every source is plain (``layout_checked`` and the sources'
-    addresses ``src_addr``: see :func:`copy_into`), else the plain ones of 1 MiB or more one by one; the rest in one torch C++ call when there
-    are several."""
+    addresses ``src_addr``: see :func:`copy_into`), else the plain ones of 1 MiB or more one by one; the rest in one
+    torch C++ call when there are several."""
     if hostcopy.available and dsts:
         if batch is not None and hostcopy.copy_batch(batch(), srcs, layout_checked=layout_checked,
                                                          src_addr=src_addr):

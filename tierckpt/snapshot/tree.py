@@ -120,7 +120,8 @@ class FlatState:
     all_cpu: bool = True  # every torch leaf is in host memory (the copy needs no device-to-host path)
     memo: FlattenMemo | None = None
     #: Each leaf's data pointer as read by this flatten (0 for arrays; any value for empty tensors, which are never
-    #: copied): the copy that follows at once reuses them (see :func:`.copier.copy_into`'s ``layout_checked``) instead of reading them again.
+    #: copied): the copy that follows at once reuses them instead of reading them again (see
+    #: :func:`.copier.copy_into`'s ``layout_checked``).
     ptrs: list[int] = field(default_factory=list)
 
     @property
