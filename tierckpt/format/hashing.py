@@ -20,6 +20,8 @@ import xxhash
 
 ALGORITHM = "xxh3_128"
 DIGEST_SIZE = 16
+_ONE_SHOT = xxhash.xxh3_128_digest
+_EMPTY = xxhash.xxh3_128_digest(b"")
 #: Bytes hashed per update call: large enough to amortise the call, small enough to stay in cache between the
 #: hash and the write/read of the same chunk.
 CHUNK = 4 << 20
@@ -69,10 +71,13 @@ def supported(algorithm: str) -> bool:
 class SegmentHasher:
     """Hashes consecutive chunks of one file, cutting them at segment boundaries (see the module docstring).
 
-    Feed the file's bytes in order, in chunks of any size; segments must tile ``[0, size)`` in order.
+    Feed the file's bytes in order, in chunks of any size; segments must tile ``[0, size)`` in order. A segment that
+    lies whole inside one chunk is hashed in one call (``xxh3_128_digest``); one that spans chunks streams through a
+    hasher. Both give the same digest; the one-shot call saves the hasher's update/digest/reset round trip, which
+    at 10,000 small tensors is most of the hashing's Python time.
     """
 
-    __slots__ = ("ends", "digests", "_k", "_pos", "_h")
+    __slots__ = ("ends", "digests", "_k", "_pos", "_h", "_open")
 
     def __init__(self, segment_ends: list[int]) -> None:
         self.ends = segment_ends
@@ -80,23 +85,37 @@ class SegmentHasher:
         self._k = 0
         self._pos = 0
         self._h = xxhash.xxh3_128()
+        self._open = False  # the current segment has bytes in ``_h``
         self._skip_empty()
 
     def _skip_empty(self) -> None:
         while self._k < len(self.ends) and self.ends[self._k] == self._pos:
-            self.digests.append(self._h.digest())
-            self._h.reset()
+            self.digests.append(_EMPTY)
             self._k += 1
 
     def feed(self, chunk: Any) -> None:
         mv = memoryview(chunk).cast("B")
         i = 0
         n = len(mv)
+        ends, digests, h = self.ends, self.digests, self._h
         while i < n:
-            if self._k >= len(self.ends):
+            k = self._k
+            if k >= len(ends):
                 raise ValueError("more bytes than the segments cover")
-            take = min(n - i, self.ends[self._k] - self._pos)
-            self._h.update(mv[i : i + take])
+            left = ends[k] - self._pos
+            take = min(n - i, left)
+            if take == left:  # the segment ends in this chunk
+                if self._open:
+                    h.update(mv[i : i + take])
+                    digests.append(h.digest())
+                    h.reset()
+                    self._open = False
+                else:
+                    digests.append(_ONE_SHOT(mv[i : i + take]))
+                self._k = k + 1
+            else:
+                h.update(mv[i : i + take])
+                self._open = True
             i += take
             self._pos += take
             self._skip_empty()
