@@ -478,6 +478,12 @@ def test_fast_tensor_record_checks_accept_exactly_what_the_field_checks_accept()
     ]
     want_good = _checked_tensors(good, files, None, None)
     assert _well_formed_tensors(copy.deepcopy(good), files) == want_good
+    # a record of the right size with another key in place of "shard" is read like the field-by-field loop reads it
+    odd = copy.deepcopy(good)
+    odd[1].pop("shard")
+    odd[1]["extra"] = 1
+    got = _well_formed_tensors(odd, files)
+    assert got == want_good and got is not None and not hasattr(got[1], "extra")
     bad_values: list[object] = [None, True, -1, 1.0, "1", [], {}, 2**63, 10**6]
     cases = 0
     for i in range(len(good)):

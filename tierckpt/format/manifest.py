@@ -212,7 +212,7 @@ def _well_formed_tensors(items: list[Any], files: list[FileRecord]) -> list[Tens
             numel *= dim
         if numel * ITEMSIZE[dtype] != nbytes:
             return None
-        if len(td) == _N_FIELDS:  # exactly the fields (the ten above and a null shard): the dict becomes the record's
+        if len(td) == _N_FIELDS and "shard" in td:  # exactly the fields (the ten above, a null shard): adopt it
             rec = _new(TensorRecord)
             _set(rec, "__dict__", td)
             out.append(rec)
