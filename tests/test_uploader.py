@@ -210,9 +210,12 @@ def test_cancel_stops_promptly(make_store, local):
 
 def test_bandwidth_cap_slows_uploads(make_store, local):
     write_step(local, build_step(14, sizes=(1 << 20,), n_files=2))  # 2 MiB and headers
-    t0 = time.monotonic()
-    replicate_step(local, make_store("memory", "a"), 14, part_size=1 << 18)
-    free = time.monotonic() - t0
+    frees = []
+    for name in ("a1", "a2", "a3"):  # the best of three: one uncapped run once took 0.7 s on a busy VM
+        t0 = time.monotonic()
+        replicate_step(local, make_store("memory", name), 14, part_size=1 << 18)
+        frees.append(time.monotonic() - t0)
+    free = min(frees)
     t0 = time.monotonic()
     replicate_step(local, make_store("memory", "b"), 14, part_size=1 << 18, bandwidth_bytes_per_s=4 << 20)
     capped = time.monotonic() - t0
