@@ -309,7 +309,7 @@ def test_a_default_restore_copies_many_tensors_from_the_loaded_buffer_in_one_cal
 def test_byte_view_is_the_tensors_own_writable_bytes() -> None:
     """The in-place reader fills each target through ``byte_view``: exactly the tensor's bytes, writable, for any
     dtype (bfloat16 has no numpy dtype) and for 0-d tensors."""
-    from tierckpt.snapshot.load import byte_view
+    from tierckpt.snapshot.loaded import byte_view
 
     for t in (torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros((), dtype=torch.float64),
               torch.nn.Parameter(torch.zeros(7)).detach()):
@@ -324,7 +324,7 @@ def test_loaded_buffer_ranges_are_bounds_checked() -> None:
     """The addresses a restore copies from are checked against its buffer: a record outside it, or one read
     elsewhere (straight into a live tensor), leaves the copy to torch."""
     from tierckpt.format.manifest import TensorRecord
-    from tierckpt.snapshot.load import LoadedBuffer
+    from tierckpt.snapshot.loaded import LoadedBuffer
 
     buf = torch.zeros(1000, dtype=torch.uint8)
     recs = (TensorRecord(0, "a", "p", "F32", (10,), 0, 8, 40, "x"), TensorRecord(1, "b", "p", "U8", (100,), 1, 0, 100, "x"),

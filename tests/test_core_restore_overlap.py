@@ -15,7 +15,7 @@ import tierckpt
 from tierckpt import _restore
 from tierckpt.errors import StateMismatchError
 from tierckpt.format.manifest import TensorRecord
-from tierckpt.snapshot.load import tensor_view_factory
+from tierckpt.snapshot.loaded import tensor_view_factory
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import reader
 

@@ -32,7 +32,8 @@ from tierckpt import CheckpointError, CheckpointManager, CorruptCheckpointError,
 from tierckpt.format import hashing
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest, TensorRecord, _seal
 from tierckpt.format.safetensors import parse_header, parse_header_length
-from tierckpt.snapshot.load import plan_restore, tensor_view_factory
+from tierckpt.snapshot.load import plan_restore
+from tierckpt.snapshot.loaded import tensor_view_factory
 
 LONG = os.environ.get("TIERCKPT_LONG") == "1"
 pytestmark = pytest.mark.timeout(600 if LONG else 120)

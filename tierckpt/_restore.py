@@ -26,7 +26,8 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismat
 from .format import hashing, layout
 from .format.manifest import RankManifest, RankRef, StepManifest
 from .snapshot.dtensor import assemble, target_box, to_live_layout
-from .snapshot.load import LoadedBuffer, byte_view, plan_restore, tensor_view_factory
+from .snapshot.load import plan_restore
+from .snapshot.loaded import LoadedBuffer, byte_view, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.reader import PendingLoad, Prefetch, read_ranks, read_step, start_load
