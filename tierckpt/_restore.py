@@ -190,11 +190,11 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         raise
 
     def run() -> None:
-        views_of = tensor_view_factory(rm.tensors, raw, buffer=buf, file_starts=offsets,
-                                       skip=frozenset(direct))
+        skip = frozenset(direct)  # records read straight into live tensors: not in the buffer
+        views_of = tensor_view_factory(rm.tensors, raw, buffer=buf, file_starts=offsets, skip=skip)
         plan.apply(rm.tensors, views_of, step=step,
                    dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]),
-                   loaded=LoadedBuffer(buf, tuple(offsets), frozenset(direct)))
+                   loaded=LoadedBuffer(buf, tuple(offsets), skip))
         if cache:
             _cache_locally(mgr.local, manifest, rm, views)
 

@@ -20,8 +20,9 @@ Invariants: bytes are written only into contiguous CPU tensors with no lazy conj
 only from plain CPU tensors of the destination's dtype and shape (of at least :data:`MIN_BYTES` in
 :func:`copy_pairs`) or from address ranges the caller vouches for; everything else goes back to the caller. The
 ranges of one call are copied in no set order, so :func:`copy_from_addresses` refuses overlapping destinations
-(a batch's are a slot's views, which never overlap; :func:`copy_pairs` leaves it to its caller). Every call returns once every byte is copied and fenced, so a thread that synchronises with the
-caller afterwards (a writer woken by a watermark, a joined future) reads the new bytes.
+(a batch's are a slot's views, which never overlap; :func:`copy_pairs` leaves it to its caller). Every call returns
+once every byte is copied and fenced, so a thread that synchronises with the caller afterwards (a writer woken by a
+watermark, a joined future) reads the new bytes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ MAX_THREADS = 8
 MIN_BYTES = 1 << 20
 _NBYTES = attrgetter("nbytes")
 _CPU = torch.device("cpu")
+
+
+def _addresses(a: np.ndarray, n: int) -> bool:
+    """Whether ``a`` is what the native call takes for ``n`` ranges: ``n`` uint64 values in one dimension."""
+    return a.dtype == np.uint64 and a.shape == (n,)
 
 
 def default_threads() -> int:
@@ -165,7 +171,7 @@ def copy_batch(batch: Batch, srcs: list[torch.Tensor], *, threads: int | None = 
     assert _hostcopy is not None
     if src_addr is None:
         saddr = np.fromiter(map(_PTR, srcs), dtype=np.uint64, count=len(srcs))
-    elif src_addr.dtype != np.uint64 or src_addr.shape != (len(srcs),):
+    elif not _addresses(src_addr, len(srcs)):
         raise ValueError(f"src_addr must be {len(srcs)} uint64 addresses, got {src_addr.dtype} {src_addr.shape}")
     else:
         saddr = src_addr
@@ -184,8 +190,7 @@ def copy_from_addresses(dsts: list[torch.Tensor], src_addr: np.ndarray, lengths:
     address (ranges of the buffer it bounds-checked), none inside a destination.
     """
     n = len(dsts)
-    if not available or src_addr.shape != (n,) or lengths.shape != (n,) or src_addr.dtype != np.uint64 \
-            or lengths.dtype != np.uint64:
+    if not available or not _addresses(src_addr, n) or not _addresses(lengths, n):
         return False
     if not n:
         return True
