@@ -19,6 +19,7 @@ import base64
 import collections
 from collections.abc import Callable, Hashable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,11 @@ from . import hostcopy
 from .copier import copy_tensors
 from .dtensor import is_dtensor, target_box
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
+from .loadbatch import detached, direct_flags, plain_tensor_items
 from .loaded import LoadedBuffer, TensorSource
 from .tree import MAX_DEPTH, is_stateful
+
+_INDEX = attrgetter("index")
 
 
 class _Decoder:
@@ -241,6 +245,19 @@ class _Checker:
                 return True
         return False
 
+    def add_tensors(self, live: list[torch.Tensor], recs: list[TensorRecord]) -> None:
+        """What :meth:`value` does for each plain tensor item, for a batch from :func:`plain_tensor_items`."""
+        direct, copies = self.plan.direct, self.plan.copies
+        if not self.in_place:
+            copies.extend(zip(live, map(_INDEX, recs)))
+            return
+        for t, rec, ok, target in zip(live, recs, direct_flags(live, recs), detached(live)):
+            i = rec.index
+            if ok and i not in direct:
+                direct[i] = target
+            elif not _same_view(direct.get(i), t):
+                copies.append((t, i))
+
     def direct_in_object(self, live: Any, node: Any, depth: int = 0) -> None:
         """Pair the saved tree of a non-module object (an optimizer) with its live ``state_dict()`` and collect the
         tensors found at the same places. Live tensors there are either the object's own (an optimizer's moments) or
@@ -284,6 +301,10 @@ class _Checker:
         pairs = node[tag]
         if not isinstance(pairs, list):
             raise CorruptCheckpointError(f"malformed state tree at {path}", step=self.step)
+        batch = plain_tensor_items(cur, pairs, self.records, strict=self.strict)
+        if batch is not None:  # a dict of plain tensors that all match: checked in one batch
+            self.add_tensors(*batch)
+            return
         saved_keys = []
         for pair in pairs:
             if not isinstance(pair, list) or len(pair) != 2:
