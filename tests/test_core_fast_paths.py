@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers_core import assert_tensor_equal, data_files, flip_byte, step_path, tensor_bytes, train_steps
 
-from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt.snapshot.staging import aligned_empty
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import DIRECT_ALIGN, LocalStore
@@ -162,7 +162,13 @@ def _assert_job_equal(got: dict, want: dict) -> None:
     assert got["step"] == want["step"]
 
 
-def test_in_place_restore_is_bit_identical_and_keeps_tensor_identity(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scatter_min", [0, None], ids=["all_scattered", "small_copied"])
+def test_in_place_restore_is_bit_identical_and_keeps_tensor_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     scatter_min: int | None) -> None:
+    """Every target read straight into (``DIRECT_READ_MIN_BYTES`` 0), or, by default, these small ones copied in
+    from the verified buffer: either way each live tensor keeps its memory and gets the saved bytes."""
+    if scatter_min is not None:
+        monkeypatch.setattr(_restore, "DIRECT_READ_MIN_BYTES", scatter_min)
     want = _saved(tmp_path, [5])[5]
     got = _job(99)
     _train(got["model"], got["optim"], 1, 99)  # optimizer state exists, so its tensors can be read into
@@ -209,7 +215,8 @@ def test_in_place_restore_falls_back_over_a_corrupt_newest_step(tmp_path: Path) 
     _assert_job_equal(got, jobs[1])
 
 
-def test_failed_in_place_restore_says_the_state_was_overwritten(tmp_path: Path) -> None:
+def test_failed_in_place_restore_says_the_state_was_overwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_restore, "DIRECT_READ_MIN_BYTES", 0)  # "plain" (132 KB) is read straight into
     _saved(tmp_path, [3])
     _corrupt_plain(tmp_path, 3)
     staged, direct = _job(60), _job(60)
@@ -222,6 +229,19 @@ def test_failed_in_place_restore_says_the_state_was_overwritten(tmp_path: Path) 
     assert e1.value.step == 3 and e2.value.step == 3 and e2.value.bad_files
     assert tensor_bytes(staged["plain"]) == before  # the default restore left the state alone
     assert tensor_bytes(direct["plain"]) != before  # in place: the bytes were read into the tensor itself
+
+
+def test_small_in_place_targets_get_their_bytes_only_once_verified(tmp_path: Path) -> None:
+    """Below ``DIRECT_READ_MIN_BYTES`` a target is filled from the verified buffer, not by the read: a corrupt
+    copy leaves it as it was (only the scattered large targets are partly overwritten)."""
+    _saved(tmp_path, [3])
+    _corrupt_plain(tmp_path, 3)
+    got = _job(60)
+    assert got["plain"].nbytes < _restore.DIRECT_READ_MIN_BYTES
+    before = tensor_bytes(got["plain"])
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CorruptCheckpointError, match="partly overwritten"):
+        mgr.restore(got, step=3, in_place=True)
+    assert tensor_bytes(got["plain"]) == before
 
 
 def test_in_place_restore_from_a_posix_remote_with_local_caching(tmp_path: Path) -> None:

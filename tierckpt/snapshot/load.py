@@ -8,9 +8,11 @@ Invariants:
   files into a staging buffer meanwhile); :meth:`RestorePlan.apply` first decodes every value (a malformed node
   raises here, with the state untouched) and only then changes the state.
 - with ``in_place=True`` the plan also names, in :attr:`RestorePlan.direct`, the live CPU tensors that the reader may
-  fill straight from the files (contiguous, same dtype and shape, not distributed): their bytes then never pass
-  through a staging buffer, and ``apply`` finds source and destination to be the same memory (``copy_`` is a no-op).
-  Such tensors change while the files are read, before the whole checkpoint is verified.
+  fill straight from the files (contiguous, same dtype and shape, not distributed); the restore reads the large ones
+  straight into their memory (they change while the files are read, before the whole checkpoint is verified) and
+  copies the small ones in from the verified buffer, and ``apply`` hands both on as the live tensors themselves.
+- a dict of plain tensors is checked in one batch (:mod:`.loadbatch`) only where the walk below would accept every
+  item and plan the same; everything else, every mismatch included, takes the walk, which names the key path.
 """
 
 from __future__ import annotations
