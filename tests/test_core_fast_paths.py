@@ -386,7 +386,8 @@ def test_file_count_is_a_multiple_of_the_writer_threads(mib: int, threads: int, 
 
 def test_manifest_encoding_is_the_dataclass_encoding() -> None:
     """Manifests are encoded field by field (fast for 10,000 tensors); the bytes must be exactly what encoding
-    ``dataclasses.asdict`` gives, so the format did not change, and they must parse back to the same manifest."""
+    ``dataclasses.asdict`` gives (with the tensor records as the version-2 table), and they must parse back to the
+    same manifest."""
     import dataclasses
 
     from tierckpt.format.manifest import (
@@ -408,6 +409,8 @@ def test_manifest_encoding_is_the_dataclass_encoding() -> None:
                       tensors=tensors, tree={"$dict": [["a", {"$tensor": 0}]]}, metadata={"m": [1, 2.5, None]})
     want = dataclasses.asdict(rm)
     want["format"] = FORMAT + ".rank"
+    # format version 2: the tensor records as a table, one list per field (the index is the position)
+    want["tensors"] = {f: [getattr(t, f) for t in tensors] for f in TensorRecord._fields if f != "index"}
     assert rm.to_bytes() == _seal(want)
     assert RankManifest.from_bytes(rm.to_bytes()) == rm
     sm = StepManifest(step=3, world_size=2, save_id="abcd", ranks=(RankRef(0, "r0", 10, "00"), RankRef(1, "r1", 11, "11")),
@@ -419,7 +422,8 @@ def test_manifest_encoding_is_the_dataclass_encoding() -> None:
 
 def test_manifest_bytes_are_the_checksum_then_the_canonical_json() -> None:
     """On disk: ``{"checksum":"<hex>",`` and then the rest of the canonical JSON the checksum covers. Manifests in
-    the earlier layout (fields in writing order, checksum last) still parse."""
+    the earlier layout (fields in writing order, checksum last; format version 1) still parse."""
+    import dataclasses
     import json
 
     import xxhash
@@ -443,7 +447,7 @@ def test_manifest_bytes_are_the_checksum_then_the_canonical_json() -> None:
            "format": FORMAT + ".step"}
     old["checksum"] = xxhash.xxh3_128_hexdigest(canonical_json(old))
     old_raw = json.dumps(old, separators=(",", ":")).encode()
-    assert old_raw != raw and StepManifest.from_bytes(old_raw) == sm
+    assert old_raw != raw and StepManifest.from_bytes(old_raw) == dataclasses.replace(sm, format_version=1)
 
 
 # ------------------------------------------------------------------------------------------ no task outlives a call

@@ -178,7 +178,26 @@ def _name(v: str):
 
 
 def _tensor(field: str, v: Any):
-    return lambda d: d["tensors"][0].__setitem__(field, v)
+    """Set the first tensor record's ``field`` in either layout (version 1: a list of records; 2: a table)."""
+    def edit(d: dict[str, Any]) -> None:
+        if isinstance(d["tensors"], dict):
+            d["tensors"][field][0] = v
+        else:
+            d["tensors"][0][field] = v
+    return edit
+
+
+def _as_v1(d: dict[str, Any]) -> None:
+    """Rewrite a rank manifest in format version 1 (one object per tensor record, with its index)."""
+    cols = d["tensors"]
+    d["tensors"] = [{"index": i, **dict(zip(cols, row))} for i, row in enumerate(zip(*cols.values()))]
+    d["format_version"] = 1
+
+
+def _table(edit):
+    def apply(d: dict[str, Any]) -> None:
+        edit(d["tensors"])
+    return apply
 
 
 def _file(field: str, v: Any):
@@ -187,6 +206,7 @@ def _file(field: str, v: Any):
 
 def _huge_consistent(d: dict[str, Any]) -> None:
     """A self-consistent manifest claiming a 512 GiB tensor: only the real file size can expose it."""
+    _as_v1(d)  # edited record by record, then written back in the layout it came in
     f, t = d["files"][0], d["tensors"][0]
     idx = [i for i, x in enumerate(d["tensors"]) if x["file"] == 0]
     for i in idx:
@@ -195,6 +215,13 @@ def _huge_consistent(d: dict[str, Any]) -> None:
         d["tensors"][i]["offset"] = f["data_start"]
     t["dtype"], t["shape"], t["nbytes"], t["offset"] = "F32", [1 << 37], 1 << 39, f["data_start"]
     f["size"] = f["data_start"] + (1 << 39)
+
+
+def _huge_consistent_table(d: dict[str, Any]) -> None:
+    _huge_consistent(d)
+    recs = d["tensors"]
+    d["tensors"] = {c: [r[c] for r in recs] for c in TensorRecord._fields[1:]}
+    d["format_version"] = 2
 
 
 def _deep(levels: int) -> Any:
@@ -241,21 +268,65 @@ RANK_EDITS = {
     "compression_unknown": _file("compression", "pickle"),
     "files_not_list": lambda d: d.__setitem__("files", {"0": 1}),
     "rank_outside_world": lambda d: d.__setitem__("rank", 7),
+    "checksum_not_str": _tensor("checksum", 7),
+    "index_bool_file": _tensor("file", True),
+}
+
+#: version-2 tensor tables that are not tables
+TABLE_EDITS = {
+    "table_column_missing": _table(lambda t: t.pop("shape")),
+    "table_column_extra": _table(lambda t: t.__setitem__("index", list(range(len(t["name"]))))),
+    "table_column_short": _table(lambda t: t["offset"].pop()),
+    "table_column_not_list": _table(lambda t: t.__setitem__("dtype", "F32")),
+    "table_is_list": lambda d: d.__setitem__("tensors", list(d["tensors"].values())),
+    "table_in_version_1": lambda d: d.__setitem__("format_version", 1),
+    "records_in_version_2": lambda d: (_as_v1(d), d.__setitem__("format_version", 2)),
+    "shard_bad_in_table": _tensor("shard", {"global_shape": [1], "offset": [5]}),
 }
 
 
+@pytest.mark.parametrize("layout", ["v2", "v1"])
 @pytest.mark.parametrize("case", list(RANK_EDITS))
-def test_hostile_rank_manifest(ckpt: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    _edit_rank(ckpt, RANK_EDITS[case])
+def test_hostile_rank_manifest(ckpt: Path, monkeypatch: pytest.MonkeyPatch, case: str, layout: str) -> None:
+    """Every edit, in the tensor table this version writes and in the version-1 records it still reads."""
+    _edit_rank(ckpt, lambda d: (_as_v1(d) if layout == "v1" else None, RANK_EDITS[case](d)))
     err = _restore_hostile(ckpt, monkeypatch)
     assert err.step == 1
 
 
-def test_huge_but_consistent_manifest(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", list(TABLE_EDITS))
+def test_hostile_tensor_table(ckpt: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    _edit_rank(ckpt, TABLE_EDITS[case])
+    err = _restore_hostile(ckpt, monkeypatch)
+    assert err.step == 1 and "tensors" in str(err)
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_huge_but_consistent_manifest(ckpt: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     """Claims a 512 GiB tensor under a key the state lacks (strict=False loads it): the real file size must stop the
     reader before it allocates."""
-    _edit_rank(ckpt, _huge_consistent)
+    _edit_rank(ckpt, _huge_consistent if layout == "v1" else _huge_consistent_table)
     _restore_hostile(ckpt, monkeypatch, state_factory=lambda: {"k": [0, 0.0]}, strict=False)
+
+
+def test_version_1_checkpoints_still_restore_and_verify(ckpt: Path) -> None:
+    """A checkpoint written by a version-1 tierckpt (one JSON object per tensor record) restores bit for bit and
+    verifies; the records parse to exactly those of the version-2 table."""
+    rpath = rank_manifests(step_path(ckpt, 1))[0]
+    v2 = RankManifest.from_bytes(rpath.read_bytes())
+    _edit_rank(ckpt, _as_v1)
+    raw = rpath.read_bytes()
+    assert json.loads(raw)["format_version"] == 1 and isinstance(json.loads(raw)["tensors"], list)
+    v1 = RankManifest.from_bytes(raw)
+    assert v1.tensors == v2.tensors and v1.tree == v2.tree and v1.format_version == 1
+    assert json.loads(v1.to_bytes())["format_version"] == 2  # re-encoded (a cached copy): the current format
+    assert RankManifest.from_bytes(v1.to_bytes()).tensors == v2.tensors
+    got = _empty()
+    with CheckpointManager(ckpt) as mgr:
+        assert mgr.restore(got) == 1
+    want = _state()
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["k"] == want["k"]
+    assert cli.main(["verify", str(ckpt)]) == 0
 
 
 def _set_tree_k(node: Any):

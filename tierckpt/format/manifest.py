@@ -3,8 +3,9 @@
 Two kinds, both JSON (never pickle), both carrying a checksum of their own canonical content:
 
 - :class:`RankManifest` (``r<rank>-<save id>.manifest.json``): one rank's files (name, size, checksum), its tensors
-  (name, key path, dtype, shape, file, byte range, checksum), the type-tagged tree of everything else, and the user's
-  metadata.
+  (name, key path, dtype, shape, file, byte range, checksum; a table of one list per field from format version 2,
+  see :mod:`.tensors`; version 1's list of records is still read), the type-tagged tree of everything else, and the
+  user's metadata.
 - :class:`StepManifest` (``manifest.json``): the step, the world size, and every rank manifest with its size and
   checksum. Writing it is the commit: it is always the last file written in a step folder.
 
@@ -27,13 +28,23 @@ from . import hashing
 from .dtypes import ITEMSIZE
 from .layout import check_file_name
 from .safetensors import MAX_NDIM, check_shape
+from .tensors import (
+    COLUMNS,
+    MAX_DIM,
+    TENSOR_KINDS,
+    TensorRecord,
+    encode_table,
+    make_record,
+    table_items,
+    table_records,
+)
 
 FORMAT = "tierckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: No manifest is read if larger than this (bytes).
 MAX_MANIFEST_BYTES = 256 << 20
-#: Containers tags the tree may use for tensors.
-TENSOR_KINDS = ("torch", "numpy")
+#: Format versions this library reads (1: one JSON object per tensor record; 2: the tensor table of :mod:`.tensors`).
+READS_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -45,22 +56,6 @@ class FileRecord:
     #: Set in a remote copy stored compressed: the codec ("zstd") and the stored (compressed) size.
     compression: str | None = None
     stored_size: int | None = None
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    index: int
-    name: str
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: int
-    offset: int
-    nbytes: int
-    checksum: str
-    kind: str = "torch"
-    #: For a shard of a distributed tensor (DTensor): where it sits in the global tensor; None otherwise.
-    shard: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,10 +78,12 @@ class RankManifest:
         return sum(f.size for f in self.files)
 
     def to_bytes(self) -> bytes:
+        """The sealed manifest in the current format (whatever version it was read from)."""
         d = _shallow(self)
         d["files"] = [_shallow(f) for f in self.files]
-        d["tensors"] = _records(self.tensors)
+        d["tensors"] = encode_table(self.tensors)
         d["format"] = FORMAT + ".rank"
+        d["format_version"] = FORMAT_VERSION
         return _seal(d)
 
     @classmethod
@@ -120,9 +117,15 @@ class RankManifest:
         names = [f.name for f in files]
         if len(set(names)) != len(names):
             raise CorruptCheckpointError("duplicate file names in manifest", step=step, path=path)
-        items = g.list("tensors")
-        tensors = _well_formed_tensors(items, files)
-        if tensors is None:
+        if g.int("format_version") == 1:
+            items = g.list("tensors")
+            tensors = _well_formed_tensors(items, files)
+        else:
+            items = _table_columns(g.raw("tensors"), step, path)
+            tensors = table_records(items, [f.data_start for f in files], [f.size for f in files])
+            if tensors is None:
+                items = table_items(items)
+        if tensors is None:  # field by field: names the first record and field at fault
             tensors = _checked_tensors(items, files, step, path)
         world = g.int("world_size")
         rank = g.int("rank")
@@ -142,6 +145,20 @@ class RankManifest:
             format_version=g.int("format_version"),
             hash_algorithm=g.str("hash_algorithm"),
         )
+
+
+def _table_columns(table: Any, step: int | None, path: str | None) -> list[list[Any]]:
+    """The columns of a version-2 tensor table, in :data:`.tensors.COLUMNS` order, checked to be lists of one
+    length."""
+    if type(table) is not dict or table.keys() != set(COLUMNS):
+        raise CorruptCheckpointError(f"manifest field tensors is not a table of the columns {', '.join(COLUMNS)}",
+                                     step=step, path=path)
+    cols = [table[c] for c in COLUMNS]
+    bad = next((c for c, col in zip(COLUMNS, cols) if type(col) is not list or len(col) != len(cols[0])), None)
+    if bad is not None:
+        raise CorruptCheckpointError(f"manifest field tensors.{bad} is not a list as long as tensors.name",
+                                     step=step, path=path)
+    return cols
 
 
 def _checked_tensors(items: list[Any], files: list[FileRecord], step: int | None, path: str | None) -> list[TensorRecord]:
@@ -172,24 +189,17 @@ def _checked_tensors(items: list[Any], files: list[FileRecord], step: int | None
 
 _TENSOR_KEYS = operator.itemgetter("index", "name", "path", "dtype", "shape", "file", "offset", "nbytes", "checksum",
                                    "kind")
-_MAX_DIM = 1 << 48
-_N_FIELDS = len(fields(TensorRecord))
-_new = object.__new__
-_set = object.__setattr__  # TensorRecord is frozen: its own __setattr__ refuses
 
 
 def _well_formed_tensors(items: list[Any], files: list[FileRecord]) -> list[TensorRecord] | None:
-    """The tensor records when every one passes the same checks as ``RankManifest.from_bytes``'s field-by-field loop
-    (a fast path for 10,000 records); None at the first doubt (a shard, a missing or odd field), and the field-by-field
-    loop then names the problem or accepts what this path does not handle.
-
-    A parsed record dict holding exactly the record's fields becomes the record's ``__dict__`` (building 10,000
-    frozen dataclasses field by field costs about 30 ms); ``items`` is changed only once every record passed."""
+    """The tensor records of a version-1 manifest when every one passes the same checks as
+    :func:`_checked_tensors`'s field-by-field loop (a fast path for 10,000 records); None at the first doubt (a
+    shard, a missing or odd field), and the field-by-field loop then names the problem or accepts what this path
+    does not handle."""
     sizes = [f.size for f in files]
     starts = [f.data_start for f in files]
     n_files = len(files)
     out: list[TensorRecord] = []
-    adopted: list[dict[str, Any]] = []
     for i, td in enumerate(items):
         if type(td) is not dict or td.get("shard") is not None:
             return None
@@ -207,20 +217,12 @@ def _well_formed_tensors(items: list[Any], files: list[FileRecord]) -> list[Tens
             return None
         numel = 1
         for dim in shape:
-            if type(dim) is not int or not 0 <= dim < _MAX_DIM:
+            if type(dim) is not int or not 0 <= dim < MAX_DIM:
                 return None
             numel *= dim
         if numel * ITEMSIZE[dtype] != nbytes:
             return None
-        if len(td) == _N_FIELDS and "shard" in td:  # exactly the fields (the ten above, a null shard): adopt it
-            rec = _new(TensorRecord)
-            _set(rec, "__dict__", td)
-            out.append(rec)
-            adopted.append(td)
-        else:  # older manifests (no "shard"), or extra keys: ignored, as the field-by-field loop does
-            out.append(TensorRecord(i, name, path, dtype, tuple(shape), fidx, offset, nbytes, checksum, kind))
-    for td in adopted:  # only now (a None above leaves ``items`` as parsed, for the field-by-field loop)
-        td["shape"] = tuple(td["shape"])
+        out.append(make_record((i, name, path, dtype, tuple(shape), fidx, offset, nbytes, checksum, kind, None)))
     return out
 
 
@@ -249,9 +251,11 @@ class StepManifest:
     hash_algorithm: str = hashing.ALGORITHM
 
     def to_bytes(self) -> bytes:
+        """The sealed manifest in the current format (whatever version it was read from)."""
         d = _shallow(self)
         d["ranks"] = [_shallow(r) for r in self.ranks]
         d["format"] = FORMAT + ".step"
+        d["format_version"] = FORMAT_VERSION
         return _seal(d)
 
     @classmethod
@@ -334,14 +338,6 @@ def _shallow(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
-_TENSOR_FIELDS = tuple(f.name for f in fields(TensorRecord))
-_tensor_values = operator.attrgetter(*_TENSOR_FIELDS)
-
-
-def _records(tensors: tuple[TensorRecord, ...]) -> list[dict[str, Any]]:
-    return [dict(zip(_TENSOR_FIELDS, _tensor_values(t))) for t in tensors]
-
-
 def _seal(d: dict[str, Any]) -> bytes:
     """The bytes of a manifest: ``{"checksum":"<hex>",`` then the rest of the canonical JSON of every other field,
     whose hash the checksum is. One encoding serves both (for 10,000 tensors each encoding costs tens of ms)."""
@@ -363,7 +359,7 @@ def _unseal(raw: bytes, kind: str, *, step: int | None, path: str | None, check:
     if not isinstance(d, dict) or d.get("format") != kind:
         raise CorruptCheckpointError(f"not a {kind} manifest", step=step, path=path)
     version = d.get("format_version")
-    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+    if type(version) is not int or version not in READS_VERSIONS:
         raise CorruptCheckpointError(
             f"manifest format version {version!r} is not supported by tierckpt {__version__} "
             f"(reads up to {FORMAT_VERSION})",
