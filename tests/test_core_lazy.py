@@ -80,14 +80,23 @@ def _assert_restores_to(mgr: CheckpointManager, step: int, want: dict[str, Any])
     assert torch.equal(got["gen"].get_state(), want["gen"])
 
 
-def test_each_lazy_checkpoint_holds_the_state_of_its_save_call(tmp_path: Path) -> None:
+def test_each_lazy_checkpoint_holds_the_state_of_its_save_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     job = _job(0)
     want = {}
+    changed = threading.Event()  # the snapshot thread starts only once the caller has changed everything
+    real_flatten = CheckpointManager._flatten
+
+    def late_flatten(self: CheckpointManager, state: Any) -> Any:
+        assert changed.wait(30)
+        return real_flatten(self, state)
+
+    monkeypatch.setattr(CheckpointManager, "_flatten", late_flatten)
     with CheckpointManager(tmp_path, lazy_snapshot=True, keep_local=10) as mgr:
         for i in range(1, 9):
             _step(job, i)
             if i % 2 == 0:
                 want[i] = _snapshot(job)
+                changed.clear()
                 mgr.save(i, job)
                 # right after save() returns, before any barrier: change every kind of Python value
                 job["data"]["pos"] += 100
@@ -97,6 +106,7 @@ def test_each_lazy_checkpoint_holds_the_state_of_its_save_call(tmp_path: Path) -
                     g["lr"] *= 0.5
                 torch.randn(3, generator=job["gen"])
                 job["model"][2].calls += 1000
+                changed.set()
         mgr.wait()
         for i, w in want.items():
             _assert_restores_to(mgr, i, w)

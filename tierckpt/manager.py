@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -36,7 +36,7 @@ from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
 from .options import Options, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
-from .snapshot import copier, staging, tree
+from .snapshot import capture, copier, staging, tree
 from .status import StepInfo, list_steps
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
@@ -204,12 +204,37 @@ class CheckpointManager:
         if metadata is not None:
             metadata = _json_metadata(metadata)
         handle = SaveHandle(step)
-        # steady state: the memo of the last flatten and the plan's cached records make this cost little per tensor
-        flat = self._flatten(state)
+        if self.options.lazy_snapshot:
+            # only what may change once save() returns is taken now; the snapshot thread does the rest
+            job = (handle, capture.capture(state), capture.capture({"m": metadata})["m"])
+            self._watch_optimizers(state)
+            owner = self._snapshotter.submit(self._lazy_snapshot, *job)
+            self._lazy_pending.add(owner)
+            owner.add_done_callback(self._lazy_pending.discard)
+            self._track(owner)
+            handle._record.stall_s = handle.elapsed()
+        else:
+            # steady state: the memo of the last flatten and the plan's cached records make this cost little per
+            # tensor
+            stage, progress = self._start(handle, self._flatten(state), metadata, layout_checked=True)
+            try:
+                stage()
+                handle._record.stall_s = handle.staged.result()
+            finally:
+                progress.release()  # training no longer waits: hashing may use the CPU now
+        self._last_step = step
+        self._clock.saved(step)
+        log.debug("save step %d: %s in %.3f s", step, "queued" if self.options.lazy_snapshot else "staged",
+                  handle._record.stall_s)
+        return handle
+
+    def _start(self, handle: SaveHandle, flat: tree.FlatState, metadata: Any, *,
+               layout_checked: bool) -> tuple[Callable[[], None], staging.CopyProgress]:
+        """Plan the snapshot of ``flat``, take a staging slot (waiting for one: back-pressure) and hand the persist
+        job its files; returns the copy into the slot (``stage``, for the caller to run) and its progress.
+        ``layout_checked``: ``flat`` was flattened right now on this thread (see ``copier.copy_into``)."""
         plan, locations = self._plan_for(flat), self._locations
         leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
-        if self.options.lazy_snapshot:
-            self._watch_optimizers(state)
         slot = self._pool.acquire(plan.buffer_bytes)
         values = flat.values
         # with overlap, the persist job writes each file while the rest is still being copied (pipelined copy)
@@ -221,7 +246,7 @@ class CheckpointManager:
                 copier.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
                                   executor=self._pool.copy_executor(),
                                   progress=progress if self._overlap else None, waves=self.options.writer_threads,
-                                  layout_checked=not self.options.lazy_snapshot)  # lazy: user code ran since
+                                  layout_checked=layout_checked)
             except BaseException as exc:
                 progress.fail(exc)  # the persist job gives up on these bytes and releases the slot
                 raise
@@ -235,30 +260,13 @@ class CheckpointManager:
             files = [writer.StagedFile(f.part, view, f.data_start, order, progress.waiter(f.part))
                      for f, view, order in zip(plan.files, slot.file_views(plan), file_leaves)]
             rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
-            job = (handle, slot, files, leaves_meta, flat.tree, metadata, progress)
-            owner = self._snapshotter.submit(self._lazy_stage, stage, job) if self.options.lazy_snapshot \
-                else self._persist.submit(self._persist_job, *job)
+            self._track(self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata,
+                                             progress))
         except BaseException:
             values.clear()
             self._pool.release(slot)
             raise
-        if self.options.lazy_snapshot:
-            self._lazy_pending.add(owner)
-            owner.add_done_callback(self._lazy_pending.discard)
-            self._track(owner)
-            rec.stall_s = handle.elapsed()
-        else:
-            self._track(owner)
-            try:
-                stage()
-                rec.stall_s = handle.staged.result()
-            finally:
-                progress.release()  # training no longer waits: hashing may use the CPU now
-        self._last_step = step
-        self._clock.saved(step)
-        log.debug("save step %d: %s %.1f MiB in %.3f s", step, "queued" if self.options.lazy_snapshot else "staged",
-                  plan.total_bytes / 2**20, rec.stall_s)
-        return handle
+        return stage, progress
 
     def _flatten(self, state: Mapping[str, Any]) -> tree.FlatState:
         return tree.flatten(state, None if self._plan is None else self._plan.cache.get("flatten"))
@@ -279,6 +287,7 @@ class CheckpointManager:
         creates its moments there) or after ``restore()``. Returns a future of the seconds it took; a ``save()``
         that comes first waits for it, and one whose state has grown since grows the buffer itself."""
         self._check_open()
+        self.snapshot_barrier()  # a lazy snapshot being planned on the snapshot thread sees the plan it made
         flat = self._flatten(state)
         flat.values.clear()  # only the layout is needed: hold no reference to the caller's tensors
         fut = self._pool.reserve(self._plan_for(flat).buffer_bytes)
@@ -286,16 +295,21 @@ class CheckpointManager:
         return fut
 
     # ------------------------------------------------------------------------------------------------ lazy snapshot
-    def _lazy_stage(self, stage: Any, job: tuple) -> None:
-        handle, progress = job[0], job[-1]
-        self._track(self._persist.submit(self._persist_job, *job))
+    def _lazy_snapshot(self, handle: SaveHandle, state: dict[str, Any], metadata: Any) -> None:
+        """The snapshot thread's part of a lazy save: flatten what ``save()`` captured, plan, take a slot, start the
+        persist job and copy, while training goes on until the next barrier. A failure fails the save's futures
+        and is re-raised by the manager's next call."""
+        progress = None
         try:
+            with _gc.paused():
+                stage, progress = self._start(handle, self._flatten(state), metadata, layout_checked=False)
             stage()
             progress.release()
         except BaseException as exc:
             self._background_error(exc, f"snapshot of step {handle.step} failed")
             for f in (handle.staged, handle.persisted, handle.uploaded):
-                f.set_exception(exc)
+                if not f.done():
+                    f.set_exception(exc)
 
     def snapshot_barrier(self) -> None:
         """Lazy snapshots: block until every snapshot taken so far is in host memory, so the state's tensors may

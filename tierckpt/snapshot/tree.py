@@ -29,7 +29,7 @@ import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, compress
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -129,6 +129,26 @@ class FlatState:
         """The leaves as objects (for tools and tests; the save path reads the columns)."""
         return [Leaf(p, s.name, v, k, s.dtype, s.shape, s.nbytes, sh)
                 for p, s, v, k, sh in zip(self.paths, self.specs, self.values, self.kinds, self.shards)]
+
+
+class StateDictOf(NamedTuple):
+    """The ``state_dict()`` of a stateful object, taken earlier (a lazy save's capture, :mod:`.capture`): encoded
+    exactly as the object itself would be (``$stateful`` with its type's name)."""
+
+    type_name: str
+    state_dict: Any
+
+
+class GeneratorState(NamedTuple):
+    """A ``torch.Generator``'s state, taken earlier (a lazy save's capture): encoded as the generator would be."""
+
+    state: torch.Tensor
+    device: str
+
+
+def type_name(obj: Any) -> str:
+    """What a ``$stateful`` node records of its object's type."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def is_stateful(obj: Any) -> bool:
@@ -421,6 +441,11 @@ class _Flattener:
             return self.encode_mapping(obj, path, prefix, depth)
         if tp is int or tp is str:
             return obj
+        if tp is StateDictOf:
+            self.stateful.append(path)
+            return {"$stateful": self.encode(obj.state_dict, path, prefix, depth + 1), "type": obj.type_name}
+        if tp is GeneratorState:
+            return {"$generator": self.add_tensor(obj.state, path, prefix), "device": obj.device}
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int):
@@ -466,7 +491,7 @@ class _Flattener:
                 sd = obj.state_dict()
             except Exception as exc:
                 raise TypeError(f"{type(obj).__name__}.state_dict() failed at {path}: {exc}") from exc
-            return {"$stateful": self.encode(sd, path, prefix, depth + 1), "type": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+            return {"$stateful": self.encode(sd, path, prefix, depth + 1), "type": type_name(obj)}
         raise TypeError(
             f"cannot checkpoint a value of type {type(obj).__module__}.{type(obj).__qualname__} at {path}: "
             "supported are tensors, numpy arrays, objects with state_dict()/load_state_dict(), and nested "

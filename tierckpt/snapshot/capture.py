@@ -1,0 +1,146 @@
+"""What a lazy ``save()`` takes from the state at once (``lazy_snapshot=True``); the snapshot thread flattens the
+rest (:func:`.tree.flatten`) and copies the tensors while training goes on.
+
+A lazy snapshot's contract: the state's tensors do not change until the barrier before the next optimizer step;
+everything else may change the moment ``save()`` returns. So :func:`capture` takes now:
+
+- every container (dict, list, tuple, set) as a new one: items added, removed or replaced later do not count;
+- every Python value (numbers, strings, bytes, dtypes, devices, sizes, numpy scalars) as it is: they cannot change;
+- every stateful object's ``state_dict()`` (an optimizer's hyper-parameters, a scheduler's epoch, a user's data
+  position: Python values that change), captured in turn, marked :class:`.tree.StateDictOf`;
+- every ``torch.Generator``'s state (:class:`.tree.GeneratorState`): drawing random numbers changes it;
+- tensors and numpy arrays by reference (their bytes are the snapshot thread's to copy, before the barrier);
+- an ``nn.Module`` by reference, its ``state_dict()`` left to the snapshot thread, when that can only return the
+  module's parameters and buffers: neither it nor a submodule has state-dict hooks, extra state
+  (``get_extra_state``) or its own ``state_dict`` / ``_save_to_state_dict``. Parameters are not replaced between an
+  optimizer step and the next one, so the later call sees the same tensors. Other modules give their
+  ``state_dict()`` now.
+
+Cost: what stays on the caller's thread is a walk over the containers (dicts of plain tensors copied whole, at C
+speed) and the non-module ``state_dict()`` calls, not the flatten's reads of every tensor's dtype, shape, layout
+and address, which on a state just pushed out of the caches by a training step cost a few microseconds a tensor.
+A value that cannot be checkpointed by its type raises ``TypeError`` naming its key path here, as an eager save's
+flatten would; what only the flatten sees (a quantized, sparse or meta tensor) is reported by the next call.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .tree import MAX_DEPTH, GeneratorState, StateDictOf, is_stateful, type_name
+
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_ATOMS = frozenset({int, str, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size})
+_KEY_TYPES = frozenset({str, int})
+_MODULE_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
+#: module class -> whether it keeps nn.Module's own state_dict, _save_to_state_dict and get_extra_state
+_PLAIN_CLASSES: dict[type, bool] = {}
+
+
+def capture(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` as the snapshot thread will flatten it (see the module docstring). Raises ``TypeError`` naming the
+    key path of a value no checkpoint can hold."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    try:
+        return _mapping(state, "state", 0)
+    except RecursionError:
+        raise TypeError("state is too deeply nested or contains a reference cycle") from None
+
+
+def deferrable(module: torch.nn.Module) -> bool:
+    """Whether ``module.state_dict()`` can only return its (and its submodules') parameters and buffers."""
+    todo = [module]
+    seen: set[int] = set()
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        plain = _PLAIN_CLASSES.get(type(m))
+        if plain is None:
+            plain = _PLAIN_CLASSES[type(m)] = all(
+                getattr(type(m), name) is getattr(torch.nn.Module, name) for name in _MODULE_METHODS)
+        if not plain or m._state_dict_hooks or m._state_dict_pre_hooks:
+            return False
+        todo.extend(c for c in m._modules.values() if c is not None)
+    return True
+
+
+def _mapping(obj: Mapping, path: str, depth: int) -> dict[str, Any]:
+    out: dict[Any, Any] = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+    if (type(obj) is dict or type(obj) is collections.OrderedDict) and set(map(type, obj)) <= _KEY_TYPES:
+        types = set(map(type, obj.values()))
+        if types <= _TENSOR_TYPES:  # a dict of plain tensors (a module's): copied whole
+            out.update(obj)
+            return out
+        if types == {dict} and all(map(_plain_tensor_dict, obj.values())):  # an optimizer's per-parameter state
+            out.update(zip(obj, map(dict, obj.values())))
+            return out
+    for k, v in obj.items():
+        tk = type(k)
+        if tk is not str and tk is not int and not (k is None or isinstance(k, (bool, int, float, str, tuple))):
+            raise TypeError(f"cannot checkpoint dict key of type {tk.__name__} at {path}")
+        tv = type(v)
+        out[k] = v if tv in _TENSOR_TYPES or tv in _ATOMS else _value(v, f"{path}[{k!r}]", depth + 1)
+    return out
+
+
+def _plain_tensor_dict(d: dict) -> bool:
+    return set(map(type, d.values())) <= _TENSOR_TYPES and set(map(type, d)) <= _KEY_TYPES
+
+
+def _value(obj: Any, path: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise TypeError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
+    tp = type(obj)
+    if tp in _TENSOR_TYPES or tp in _ATOMS:
+        return obj
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return obj  # subclasses (DTensor...) and arrays: the flatten decides
+    if isinstance(obj, Mapping):
+        return _mapping(obj, path, depth)
+    if tp is list:
+        if set(map(type, obj)) <= _ATOMS:  # a list of numbers, strings...: copied whole
+            return list(obj)
+        return [_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
+    if isinstance(obj, (bool, int, float, str, bytes)) or obj is None:
+        return obj
+    if isinstance(obj, torch.Size):
+        return obj
+    if isinstance(obj, list):
+        return [_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj))
+    if isinstance(obj, (set, frozenset)):
+        items = [_value(v, path, depth + 1) for v in obj]
+        return frozenset(items) if isinstance(obj, frozenset) else set(items)
+    if isinstance(obj, bytearray):
+        return bytes(obj)
+    if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+        return obj
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return obj
+    if isinstance(obj, torch.Generator):
+        return GeneratorState(obj.get_state(), str(obj.device))
+    if is_stateful(obj):
+        if isinstance(obj, torch.nn.Module) and deferrable(obj):
+            return obj  # its state_dict() on the snapshot thread
+        try:
+            sd = obj.state_dict()
+        except Exception as exc:
+            raise TypeError(f"{type(obj).__name__}.state_dict() failed at {path}: {exc}") from exc
+        return StateDictOf(type_name(obj), _value(sd, path, depth + 1))
+    raise TypeError(
+        f"cannot checkpoint a value of type {type(obj).__module__}.{type(obj).__qualname__} at {path}: "
+        "supported are tensors, numpy arrays, objects with state_dict()/load_state_dict(), and nested "
+        "dict/list/tuple of those and of int, float, str, bool, None, bytes"
+    )
+
+
+__all__ = ["capture", "deferrable"]
