@@ -299,7 +299,6 @@ class CheckpointManager:
         """The snapshot thread's part of a lazy save: flatten what ``save()`` captured, plan, take a slot, start the
         persist job and copy, while training goes on until the next barrier. A failure fails the save's futures
         and is re-raised by the manager's next call."""
-        progress = None
         try:
             with _gc.paused():
                 stage, progress = self._start(handle, self._flatten(state), metadata, layout_checked=False)
