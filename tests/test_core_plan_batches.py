@@ -145,3 +145,45 @@ def test_restore_through_the_batches_round_trips(tmp_path: Any) -> None:
             for k, v in want.items():
                 assert torch.equal(live["plain"][k], v), (in_place, k)
             assert live["plain"]["tied"] is live["plain"]["w3"]
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 3) for _ in range(6)])
+        if extra:
+            self.extra = torch.nn.Parameter(torch.full((2,), 7.0))
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "item_by_item"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_module_missing_keys_of_the_checkpoint_loads_when_not_strict(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                       in_place: bool, batched: bool) -> None:
+    """strict=False lets the live module have entries the checkpoint lacks (they keep their values), as
+    ``load_state_dict(strict=False)`` does; strict=True names the first one. On the batched module path and item by
+    item (what a module with distributed tensors or extra state takes)."""
+    if not batched:
+        monkeypatch.setattr(load, "plain_tensor_items", lambda *a, **k: None)
+    torch.manual_seed(0)
+    saved = _Wide()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"m": saved})
+        mgr.wait()
+        live = _Wide(extra=True)
+        with pytest.raises(StateMismatchError, match="'extra' of module missing"):
+            mgr.restore({"m": live}, in_place=in_place)
+        assert mgr.restore({"m": live}, strict=False, in_place=in_place) == 1
+        for k, v in saved.state_dict().items():
+            assert torch.equal(live.state_dict()[k], v), k
+        assert torch.equal(live.extra.detach(), torch.full((2,), 7.0))
+
+
+def test_a_batched_module_plans_the_same_direct_targets_as_item_by_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(1)
+    module = _Wide()
+    saved_tree, recs = _records({"m": module})
+    live = {"m": _Wide()}
+    batched, itemwise, n_batches = _plan_both(live, saved_tree, recs, monkeypatch, strict=True, in_place=True)
+    assert n_batches == 1
+    assert _summary(batched) == _summary(itemwise) and len(batched.direct) == len(module.state_dict())
+    assert not batched.copies  # a module's own load_state_dict copies what is not read in place

@@ -260,6 +260,14 @@ class _Checker:
             elif not _same_view(direct.get(i), t):
                 copies.append((t, i))
 
+    def add_direct_targets(self, live: list[torch.Tensor], recs: list[TensorRecord]) -> None:
+        """What :meth:`add_direct` does for each of a batch (a module's entries: its ``load_state_dict`` copies
+        the others, so nothing is listed as a copy)."""
+        direct = self.plan.direct
+        for rec, ok, target in zip(recs, direct_flags(live, recs), detached(live)):
+            if ok and rec.index not in direct:
+                direct[rec.index] = target
+
     def direct_in_object(self, live: Any, node: Any, depth: int = 0) -> None:
         """Pair the saved tree of a non-module object (an optimizer) with its live ``state_dict()`` and collect the
         tensors found at the same places. Live tensors there are either the object's own (an optimizer's moments) or
@@ -369,23 +377,14 @@ class _Checker:
     def stateful(self, obj: Any, node: Any, path: str) -> None:
         if isinstance(obj, torch.nn.Module):
             live = obj.state_dict()
-            saved = self.module_entries(node, path)
-            if self.strict:
-                extra = [k for k in saved if k not in live]
-                if extra:
-                    raise _mismatch(f"unexpected key {extra[0]!r} in checkpoint for module", path, self.step)
-            for k, rec in saved.items():
-                if k not in live and isinstance(rec, dict):
-                    self.free_dtensors(rec, f"{path}[{k!r}]")
-                missing = [k for k in live if k not in saved]
-                if missing:
-                    raise _mismatch(f"key {missing[0]!r} of module missing from checkpoint", path, self.step)
-            for k, rec in saved.items():
-                if k in live and isinstance(live[k], torch.Tensor) and isinstance(rec, dict):
-                    self.check_dtensor(live[k], rec, f"{path}[{k!r}]")
-                elif k in live and isinstance(live[k], torch.Tensor) and rec is not None:
-                    self.check_tensor(live[k], rec, f"{path}[{k!r}]")
-                    self.add_direct(live[k], rec, checked=True)
+            pairs = node.get("$dict", node.get("$odict")) if isinstance(node, dict) else None
+            batch = plain_tensor_items(live, pairs, self.records, strict=self.strict) if isinstance(pairs, list) \
+                else None
+            if batch is not None:  # every saved entry a plain tensor matching its live one: checked in one batch
+                if self.in_place:
+                    self.add_direct_targets(*batch)
+            else:
+                self.module_item_by_item(live, self.module_entries(node, path), path)
             strict = self.strict
 
             def load_module(dec: _Decoder) -> Callable[[], None]:
@@ -408,6 +407,27 @@ class _Checker:
                 return lambda: _load_object(obj, sd, path, dec.step)
 
             self.plan.actions.append(load_object)
+
+    def module_item_by_item(self, live: Mapping[str, Any], saved: dict[str, TensorRecord | dict | None],
+                            path: str) -> None:
+        """A module's saved entries against its live ``state_dict()``, one by one (what a batch does not cover:
+        distributed tensors, extra state, a mismatch to name)."""
+        if self.strict:
+            extra = [k for k in saved if k not in live]
+            if extra:
+                raise _mismatch(f"unexpected key {extra[0]!r} in checkpoint for module", path, self.step)
+            missing = [k for k in live if k not in saved]
+            if missing:
+                raise _mismatch(f"key {missing[0]!r} of module missing from checkpoint", path, self.step)
+        for k, rec in saved.items():
+            if k not in live and isinstance(rec, dict):
+                self.free_dtensors(rec, f"{path}[{k!r}]")
+        for k, rec in saved.items():
+            if k in live and isinstance(live[k], torch.Tensor) and isinstance(rec, dict):
+                self.check_dtensor(live[k], rec, f"{path}[{k!r}]")
+            elif k in live and isinstance(live[k], torch.Tensor) and rec is not None:
+                self.check_tensor(live[k], rec, f"{path}[{k!r}]")
+                self.add_direct(live[k], rec, checked=True)
 
     def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | dict | None]:
         if not (_is_tag(node, "$dict") or _is_tag(node, "$odict")):
