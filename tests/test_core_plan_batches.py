@@ -185,5 +185,67 @@ def test_a_batched_module_plans_the_same_direct_targets_as_item_by_item(monkeypa
     live = {"m": _Wide()}
     batched, itemwise, n_batches = _plan_both(live, saved_tree, recs, monkeypatch, strict=True, in_place=True)
     assert n_batches == 1
-    assert _summary(batched) == _summary(itemwise) and len(batched.direct) == len(module.state_dict())
-    assert not batched.copies  # a module's own load_state_dict copies what is not read in place
+    assert batched.direct.keys() == itemwise.direct.keys() and len(batched.direct) == len(module.state_dict())
+    assert [t.data_ptr() for t in batched.direct.values()] == [t.data_ptr() for t in itemwise.direct.values()]
+    # a plain module needs no load_state_dict(): its entries were read in place; the walk still calls it
+    assert not batched.actions and len(itemwise.actions) == 1 and not batched.copies
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: one saved tensor under two keys
+        self.norm = torch.nn.LayerNorm(4)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(4)])  # BATCH_MIN entries and more
+
+
+def _loaded_with(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, make: Any, in_place: bool) -> tuple[list[str], Any]:
+    torch.manual_seed(3)
+    saved = make()
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p))
+    calls: list[str] = []
+    real = torch.nn.Module.load_state_dict
+
+    def spy(self: torch.nn.Module, *a: Any, **k: Any) -> Any:
+        calls.append(type(self).__name__)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", spy)
+    with CheckpointManager(tmp_path / str(in_place)) as mgr:
+        mgr.save(1, {"m": saved})
+        mgr.wait()
+        live = make()
+        assert mgr.restore({"m": live}, in_place=in_place) == 1
+    for k, v in saved.state_dict().items():
+        assert torch.equal(live.state_dict()[k], v), k
+    return calls, live
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_plain_module_is_restored_without_load_state_dict(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                           in_place: bool) -> None:
+    calls, live = _loaded_with(tmp_path, monkeypatch, _Tied, in_place)
+    assert calls == []
+    assert live.head.weight is live.emb.weight  # still tied
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_modules_with_their_own_loading_get_load_state_dict(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            in_place: bool) -> None:
+    seen: list[str] = []
+
+    def hooked() -> torch.nn.Module:
+        m = _Wide()
+        m.layers[2].register_load_state_dict_pre_hook(lambda *a, **k: seen.append("pre-hook"))
+        return m
+
+    calls, _ = _loaded_with(tmp_path / "hook", monkeypatch, hooked, in_place)
+    assert calls == ["_Wide"] and seen == ["pre-hook"]
+    # BatchNorm has its own _load_from_state_dict (for num_batches_tracked); two of them: 10 entries, a batch
+    calls, live = _loaded_with(tmp_path / "bn", monkeypatch,
+                               lambda: torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)), in_place)
+    assert calls == ["Sequential"]

@@ -32,14 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .modules import SAVING, plain_tree
 from .tree import MAX_DEPTH, GeneratorState, StateDictOf, is_stateful, type_name
 
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _ATOMS = frozenset({int, str, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size})
 _KEY_TYPES = frozenset({str, int})
-_MODULE_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
-#: module class -> whether it keeps nn.Module's own state_dict, _save_to_state_dict and get_extra_state
-_PLAIN_CLASSES: dict[type, bool] = {}
 
 
 def capture(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -55,21 +53,7 @@ def capture(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def deferrable(module: torch.nn.Module) -> bool:
     """Whether ``module.state_dict()`` can only return its (and its submodules') parameters and buffers."""
-    todo = [module]
-    seen: set[int] = set()
-    while todo:
-        m = todo.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        plain = _PLAIN_CLASSES.get(type(m))
-        if plain is None:
-            plain = _PLAIN_CLASSES[type(m)] = all(
-                getattr(type(m), name) is getattr(torch.nn.Module, name) for name in _MODULE_METHODS)
-        if not plain or m._state_dict_hooks or m._state_dict_pre_hooks:
-            return False
-        todo.extend(c for c in m._modules.values() if c is not None)
-    return True
+    return plain_tree(module, SAVING)
 
 
 def _mapping(obj: Mapping, path: str, depth: int) -> dict[str, Any]:

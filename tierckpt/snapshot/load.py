@@ -35,6 +35,7 @@ from .dtensor import is_dtensor, target_box
 from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
 from .loadbatch import detached, direct_flags, plain_tensor_items
 from .loaded import LoadedBuffer, TensorSource
+from .modules import LOADING, SAVING, plain_tree
 from .tree import MAX_DEPTH, is_stateful
 
 _INDEX = attrgetter("index")
@@ -380,6 +381,12 @@ class _Checker:
             pairs = node.get("$dict", node.get("$odict")) if isinstance(node, dict) else None
             batch = plain_tensor_items(live, pairs, self.records, strict=self.strict) if isinstance(pairs, list) \
                 else None
+            if batch is not None and plain_tree(obj, SAVING, LOADING):
+                # load_state_dict() would only copy each entry into the parameter or buffer the live entry is a view
+                # of: the entries are read in place or copied in with the plain tensors (one native call), without
+                # torch's walk (which filters the whole state dict once per child module)
+                self.add_tensors(*batch)
+                return
             if batch is not None:  # every saved entry a plain tensor matching its live one: checked in one batch
                 if self.in_place:
                     self.add_direct_targets(*batch)
