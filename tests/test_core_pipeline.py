@@ -105,30 +105,6 @@ def test_watermarks_cover_only_copied_bytes_in_wave_order(monkeypatch: pytest.Mo
     assert calls[0][0] == 0 and calls[1][0] == 1
 
 
-@pytest.mark.parametrize("big_tensor", [False, True], ids=["small_tensors", "one_embedding"])
-def test_the_first_wave_of_writers_waits_only_for_a_short_first_group(monkeypatch: pytest.MonkeyPatch,
-                                                                      big_tensor: bool) -> None:
-    """The first group of each file the first writers take is cut at PIPELINE_FIRST_GROUP_BYTES (whole tensors, or a
-    piece of one larger than it); the later groups, and the second wave's files, at PIPELINE_GROUP_BYTES."""
-    monkeypatch.setattr(copier, "PIPELINE_GROUP_BYTES", 4 * MiB)
-    monkeypatch.setattr(copier, "PIPELINE_FIRST_GROUP_BYTES", MiB)
-    if big_tensor:
-        g = torch.Generator().manual_seed(9)
-        state = {f"e{i}": torch.randn(2_500_000, generator=g) for i in range(4)}  # 9.5 MiB each, one per file
-    else:
-        state = _state(96, 96 * 1024, seed=3)  # 96 tensors of 384 KiB
-    plan, calls = _checked_copy(state, 9 * MiB if big_tensor else 8 * MiB, waves=2)
-    assert len(plan.files) >= 4
-    starts = {f.part: f.data_start for f in plan.files}
-    first = {}
-    for part, end in calls:
-        first.setdefault(part, end - starts[part])
-    for part in (0, 1):  # the first wave: at most one tensor (384 KiB) past 1 MiB, or exactly 1 MiB of the embedding
-        assert first[part] <= MiB + (0 if big_tensor else 384 * 1024), (part, first[part])
-    for part in range(2, len(plan.files)):  # later files: a whole group
-        assert first[part] >= 4 * MiB or first[part] == plan.files[part].size - starts[part], (part, first[part])
-
-
 @pytest.mark.parametrize(("threads", "torch_path"), [(1, False), (2, False), (2, True)],
                          ids=["1", "2", "2-torch"])
 def test_tensors_larger_than_a_group_are_copied_in_pieces(monkeypatch: pytest.MonkeyPatch, threads: int,

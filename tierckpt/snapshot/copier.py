@@ -53,10 +53,6 @@ _TENSOR_COST_BYTES = 32 << 10
 #: took 21% longer with 128 MiB groups, 11% with 256 MiB, 5% with 512 MiB, for the same durable time (8% sooner than
 #: copying first). A writer's first bytes wait for one group: 35 ms at the native copy's speed.
 PIPELINE_GROUP_BYTES = 512 << 20
-#: The first group of each file the first wave of writers takes (see :meth:`_SlotLayout.pipeline`): their first
-#: bytes wait only for this much of the copy (2 GiB, 3 runs of 10-14 interleaved saves against 512 MiB: durable
-#: 1.7-3.0% sooner, the stall unchanged in two runs and 7% longer in one).
-PIPELINE_FIRST_GROUP_BYTES = 64 << 20
 #: A pipelined group is split over the copy threads when it holds at least this many small tensors (not tuned:
 #: below it, the hand-off to another thread is assumed to cost more than it saves).
 PIPELINE_SPLIT_MIN_TENSORS = 64
@@ -95,13 +91,6 @@ class _Group(_Destinations):
         if self._index is None:
             self._index = np.array(self.positions, dtype=np.intp)
         return self._index
-
-
-def _group_limit(first_wave: bool, groups: list[_Group]) -> int:
-    """Bytes after which a pipelined group of a file is cut (smaller for the first group of a first-wave file)."""
-    if first_wave and not groups:
-        return min(PIPELINE_FIRST_GROUP_BYTES, PIPELINE_GROUP_BYTES)
-    return PIPELINE_GROUP_BYTES
 
 
 class _CopySchedule:
@@ -146,9 +135,7 @@ class _SlotLayout(_Destinations):
         Each file's tensors in file order, cut every :data:`PIPELINE_GROUP_BYTES` (a larger tensor into pieces of
         that size, so that a writer's first bytes never wait for a whole embedding); files taken ``waves`` at a time
         (the writer threads take them in that order) with their groups interleaved, so every busy writer has its
-        next bytes early; the first group of each file of the first wave is cut at
-        :data:`PIPELINE_FIRST_GROUP_BYTES`, so the writers start after a few milliseconds of copying instead of a
-        whole file's. A group with at least :data:`PIPELINE_SPLIT_MIN_TENSORS` small tensors is cut into
+        next bytes early. A group with at least :data:`PIPELINE_SPLIT_MIN_TENSORS` small tensors is cut into
         ``threads`` chunks of equal cost. Leaves copied before the groups (arrays) and empty ones are covered but
         not listed.
         """
@@ -171,27 +158,24 @@ class _SlotLayout(_Destinations):
             dsts: list[torch.Tensor] = []
             positions: list[int] = []
             size = 0
-            # the first wave's writers wait for their file's first group: it is cut smaller
-            first_wave = f.part < max(1, waves)
             for t in f.tensors:
                 pos = t.leaf if pos_of is None else pos_of.get(t.leaf)
-                if pos is not None and t.nbytes > _group_limit(first_wave, groups):
+                if pos is not None and t.nbytes > PIPELINE_GROUP_BYTES:
                     if positions:
                         groups.append(group(f.part, t.offset, dsts, positions))
                         dsts, positions, size = [], [], 0
                     flat_dst = self.dsts[pos].view(-1)
-                    item = flat_dst.element_size()
-                    lo, numel = 0, flat_dst.numel()
-                    while lo < numel:
-                        hi = min(numel, lo + max(1, _group_limit(first_wave, groups) // item))
-                        groups.append(_Group(f.part, t.offset + hi * item, [], [], None, (pos, lo, hi, flat_dst[lo:hi])))
-                        lo = hi
+                    step = max(1, PIPELINE_GROUP_BYTES // flat_dst.element_size())
+                    for lo in range(0, flat_dst.numel(), step):
+                        hi = min(flat_dst.numel(), lo + step)
+                        end = t.offset + hi * flat_dst.element_size()
+                        groups.append(_Group(f.part, end, [], [], None, (pos, lo, hi, flat_dst[lo:hi])))
                     continue
                 if pos is not None:
                     dsts.append(self.dsts[pos])
                     positions.append(pos)
                     size += t.nbytes
-                if size >= _group_limit(first_wave, groups):
+                if size >= PIPELINE_GROUP_BYTES:
                     groups.append(group(f.part, t.offset + t.nbytes, dsts, positions))
                     dsts, positions, size = [], [], 0
             if positions or not groups or groups[-1].end != f.size:
