@@ -512,6 +512,19 @@ def _valid_rank_dict() -> dict[str, Any]:
             "format": "tierckpt.rank"}
 
 
+def _valid_rank_dict_v2() -> dict[str, Any]:
+    """The same manifest in format version 2: the tensor records as a table (two tensors, so that columns have
+    lengths to disagree on)."""
+    d = _valid_rank_dict()
+    d["files"][0]["size"] = 4096 + 24
+    d["tensors"] = {"name": ["w", "b"], "path": ["state['w']", "state['b']"], "dtype": ["F32", "BF16"],
+                    "shape": [[4], [4]], "file": [0, 0], "offset": [4096, 4112], "nbytes": [16, 8],
+                    "checksum": ["0" * 32, "1" * 32], "kind": ["torch", "torch"], "shard": [None, None]}
+    d["tree"] = {"$dict": [["w", {"$tensor": 0}], ["b", {"$tensor": 1}]]}
+    d["format_version"] = 2
+    return d
+
+
 def _valid_step_dict() -> dict[str, Any]:
     return {"step": 1, "world_size": 1, "save_id": "abcd1234",
             "ranks": [{"rank": 0, "name": "r00000-abcd1234.manifest.json", "size": 10, "checksum": "0" * 32}],
@@ -547,13 +560,15 @@ mutation = st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=4), json_
 
 def test_valid_fuzz_seeds_parse() -> None:
     RankManifest.from_bytes(_seal(_valid_rank_dict()))
+    assert len(RankManifest.from_bytes(_seal(_valid_rank_dict_v2())).tensors) == 2
     StepManifest.from_bytes(_seal(_valid_step_dict()))
 
 
 @FUZZ
-@given(st.lists(mutation, min_size=1, max_size=4), st.booleans())
-def test_fuzz_manifests_resealed(mutations, rank: bool) -> None:
-    d = _valid_rank_dict() if rank else _valid_step_dict()
+@given(st.lists(mutation, min_size=1, max_size=4), st.sampled_from(["rank", "rank_v2", "step"]))
+def test_fuzz_manifests_resealed(mutations, kind: str) -> None:
+    d = {"rank": _valid_rank_dict, "rank_v2": _valid_rank_dict_v2, "step": _valid_step_dict}[kind]()
+    rank = kind != "step"
     for path, value in mutations:
         _mutate(d, path, value)
     try:
