@@ -248,26 +248,21 @@ class _Checker:
                 return True
         return False
 
-    def add_tensors(self, live: list[torch.Tensor], recs: list[TensorRecord]) -> None:
-        """What :meth:`value` does for each plain tensor item, for a batch from :func:`plain_tensor_items`."""
+    def add_tensors(self, live: list[torch.Tensor], recs: list[TensorRecord], *, copy_rest: bool = True) -> None:
+        """What :meth:`value` does for each plain tensor item, for a batch from :func:`plain_tensor_items`: make it
+        its record's direct target where it can be, else (``copy_rest``) list it as a copy. ``copy_rest=False``:
+        what :meth:`add_direct` alone does (a module whose ``load_state_dict`` copies the others)."""
         direct, copies = self.plan.direct, self.plan.copies
         if not self.in_place:
-            copies.extend(zip(live, map(_INDEX, recs)))
+            if copy_rest:
+                copies.extend(zip(live, map(_INDEX, recs)))
             return
         for t, rec, ok, target in zip(live, recs, direct_flags(live, recs), detached(live)):
             i = rec.index
             if ok and i not in direct:
                 direct[i] = target
-            elif not _same_view(direct.get(i), t):
+            elif copy_rest and not _same_view(direct.get(i), t):
                 copies.append((t, i))
-
-    def add_direct_targets(self, live: list[torch.Tensor], recs: list[TensorRecord]) -> None:
-        """What :meth:`add_direct` does for each of a batch (a module's entries: its ``load_state_dict`` copies
-        the others, so nothing is listed as a copy)."""
-        direct = self.plan.direct
-        for rec, ok, target in zip(recs, direct_flags(live, recs), detached(live)):
-            if ok and rec.index not in direct:
-                direct[rec.index] = target
 
     def direct_in_object(self, live: Any, node: Any, depth: int = 0) -> None:
         """Pair the saved tree of a non-module object (an optimizer) with its live ``state_dict()`` and collect the
@@ -388,8 +383,7 @@ class _Checker:
                 self.add_tensors(*batch)
                 return
             if batch is not None:  # every saved entry a plain tensor matching its live one: checked in one batch
-                if self.in_place:
-                    self.add_direct_targets(*batch)
+                self.add_tensors(*batch, copy_rest=False)
             else:
                 self.module_item_by_item(live, self.module_entries(node, path), path)
             strict = self.strict
