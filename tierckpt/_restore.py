@@ -183,16 +183,15 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             mgr._pool.release(holder["slot"])
         raise
     buf: torch.Tensor = holder["slot"].buffer
-    skip = frozenset(scatter)  # records read straight into live tensors: not in the buffer
+    # records read straight into live tensors are not in the buffer
+    loaded = LoadedBuffer(buf, tuple(offsets), frozenset(scatter))
     if len(scatter) < len(direct):  # the small targets, from the verified bytes, before anything reads them
-        _fill_small_targets(rm, {i: t for i, t in direct.items() if i not in skip}, LoadedBuffer(buf, offsets, skip))
+        _fill_small_targets(rm, {i: t for i, t in direct.items() if i not in loaded.skip}, loaded)
 
     def raw(i: int) -> torch.Tensor:
         if i in direct:  # the live tensor itself: the copy in ``apply`` finds nothing to do
             return direct[i].reshape(-1).view(torch.uint8)
-        rec = rm.tensors[i]
-        start = offsets[rec.file] + rec.offset
-        return buf[start : start + rec.nbytes]
+        return loaded.bytes_of(rm.tensors[i])
 
     try:
         assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw))
@@ -206,7 +205,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         views_of = tensor_view_factory(rm.tensors, raw, buffer=buf, file_starts=offsets, skip=frozenset(direct))
         plan.apply(rm.tensors, views_of, step=step,
                    dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]),
-                   loaded=LoadedBuffer(buf, tuple(offsets), skip))
+                   loaded=loaded)
         if cache:
             _cache_locally(mgr.local, manifest, rm, views)
 
@@ -222,13 +221,8 @@ def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded
     if ranges is not None and hostcopy.copy_from_addresses(dsts, *ranges):
         return
 
-    def raw(i: int) -> torch.Tensor:
-        rec = rm.tensors[i]
-        start = loaded.file_starts[rec.file] + rec.offset
-        return loaded.buffer[start : start + rec.nbytes]
-
-    views = tensor_view_factory(rm.tensors, raw, buffer=loaded.buffer, file_starts=loaded.file_starts,
-                                skip=loaded.skip)
+    views = tensor_view_factory(rm.tensors, lambda i: loaded.bytes_of(rm.tensors[i]), buffer=loaded.buffer,
+                                file_starts=loaded.file_starts, skip=loaded.skip)
     with torch.no_grad():
         for i, t in small.items():
             t.copy_(views(i))

@@ -33,6 +33,11 @@ class LoadedBuffer:
     file_starts: tuple[int, ...]
     skip: frozenset[int] = frozenset()
 
+    def bytes_of(self, rec: TensorRecord) -> torch.Tensor:
+        """The record's bytes in the buffer, as a uint8 slice (torch bounds the slice by the buffer)."""
+        start = self.file_starts[rec.file] + rec.offset
+        return self.buffer[start : start + rec.nbytes]
+
     def ranges(self, records: tuple[TensorRecord, ...], idx: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """(addresses, lengths) of the bytes of records ``idx``, bounds-checked against the buffer; None when one of
         them is not in it."""
