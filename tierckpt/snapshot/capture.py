@@ -33,11 +33,17 @@ import numpy as np
 import torch
 
 from .modules import SAVING, plain_tree
-from .tree import MAX_DEPTH, GeneratorState, StateDictOf, is_stateful, type_name
+from .tree import (
+    MAX_DEPTH,
+    PLAIN_KEY_TYPES,
+    PLAIN_TENSOR_TYPES,
+    GeneratorState,
+    StateDictOf,
+    is_stateful,
+    type_name,
+)
 
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _ATOMS = frozenset({int, str, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size})
-_KEY_TYPES = frozenset({str, int})
 
 
 def capture(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,9 +64,9 @@ def deferrable(module: torch.nn.Module) -> bool:
 
 def _mapping(obj: Mapping, path: str, depth: int) -> dict[str, Any]:
     out: dict[Any, Any] = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
-    if (type(obj) is dict or type(obj) is collections.OrderedDict) and set(map(type, obj)) <= _KEY_TYPES:
+    if (type(obj) is dict or type(obj) is collections.OrderedDict) and set(map(type, obj)) <= PLAIN_KEY_TYPES:
         types = set(map(type, obj.values()))
-        if types <= _TENSOR_TYPES:  # a dict of plain tensors (a module's): copied whole
+        if types <= PLAIN_TENSOR_TYPES:  # a dict of plain tensors (a module's): copied whole
             out.update(obj)
             return out
         if types == {dict} and all(map(_plain_tensor_dict, obj.values())):  # an optimizer's per-parameter state
@@ -71,19 +77,19 @@ def _mapping(obj: Mapping, path: str, depth: int) -> dict[str, Any]:
         if tk is not str and tk is not int and not (k is None or isinstance(k, (bool, int, float, str, tuple))):
             raise TypeError(f"cannot checkpoint dict key of type {tk.__name__} at {path}")
         tv = type(v)
-        out[k] = v if tv in _TENSOR_TYPES or tv in _ATOMS else _value(v, f"{path}[{k!r}]", depth + 1)
+        out[k] = v if tv in PLAIN_TENSOR_TYPES or tv in _ATOMS else _value(v, f"{path}[{k!r}]", depth + 1)
     return out
 
 
 def _plain_tensor_dict(d: dict) -> bool:
-    return set(map(type, d.values())) <= _TENSOR_TYPES and set(map(type, d)) <= _KEY_TYPES
+    return set(map(type, d.values())) <= PLAIN_TENSOR_TYPES and set(map(type, d)) <= PLAIN_KEY_TYPES
 
 
 def _value(obj: Any, path: str, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise TypeError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
     tp = type(obj)
-    if tp in _TENSOR_TYPES or tp in _ATOMS:
+    if tp in PLAIN_TENSOR_TYPES or tp in _ATOMS:
         return obj
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         return obj  # subclasses (DTensor...) and arrays: the flatten decides

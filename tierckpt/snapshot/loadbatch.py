@@ -19,16 +19,15 @@ import torch
 
 from ..format.manifest import TensorRecord
 from .dtypes import TORCH_TO_CODE
+from .tree import PLAIN_KEY_TYPES, PLAIN_TENSOR_TYPES
 
 #: A dict node with fewer items than this takes the item-by-item walk (the batch's fixed cost is a few passes).
 BATCH_MIN = 8
 
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # exact types, as the flatten's batches
-_KEY_TYPES = frozenset({str, int})
 _DICT_TYPES = (dict, collections.OrderedDict)
 _FIRST, _SECOND, _TENSOR_REF = itemgetter(0), itemgetter(1), itemgetter("$tensor")
 _KIND, _DTYPE_CODE, _SHAPE_T = attrgetter("kind"), attrgetter("dtype"), attrgetter("shape")
-_NBYTES, _SHARD, _INDEX = attrgetter("nbytes"), attrgetter("shard"), attrgetter("index")
+_NBYTES, _SHARD = attrgetter("nbytes"), attrgetter("shard")
 _DTYPE, _SHAPE, _IS_CPU = attrgetter("dtype"), attrgetter("shape"), attrgetter("is_cpu")
 _REQUIRES_GRAD = attrgetter("requires_grad")
 
@@ -44,7 +43,7 @@ def plain_tensor_items(cur: Any, pairs: list[Any], records: tuple[TensorRecord, 
         return None
     keys = list(map(_FIRST, pairs))
     nodes = list(map(_SECOND, pairs))
-    if not set(map(type, keys)) <= _KEY_TYPES or set(map(type, nodes)) != {dict} or set(map(len, nodes)) != {1}:
+    if not set(map(type, keys)) <= PLAIN_KEY_TYPES or set(map(type, nodes)) != {dict} or set(map(len, nodes)) != {1}:
         return None
     try:
         idx = list(map(_TENSOR_REF, nodes))
@@ -61,7 +60,7 @@ def plain_tensor_items(cur: Any, pairs: list[Any], records: tuple[TensorRecord, 
         live = list(map(cur.__getitem__, keys))
     except KeyError:
         return None
-    if not set(map(type, live)) <= _TENSOR_TYPES:
+    if not set(map(type, live)) <= PLAIN_TENSOR_TYPES:
         return None
     if list(map(TORCH_TO_CODE.get, map(_DTYPE, live))) != list(map(_DTYPE_CODE, recs)):
         return None

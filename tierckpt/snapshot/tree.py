@@ -45,8 +45,10 @@ MAX_DEPTH = 200
 #: it the batch's fixed cost (a few sets and lists) exceeds the per-item path's.
 BATCH_MIN = 8
 
-_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # exact types: subclasses take the per-item path
-_KEY_TYPES = frozenset({str, int})  # exact types: repr() and str() of these are plain, so paths can be memoised
+#: Exact types of the tensors and keys that batches take (subclasses take the per-item paths); :mod:`.loadbatch`
+#: and :mod:`.capture` batch the same ones.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+PLAIN_KEY_TYPES = frozenset({str, int})  # repr() and str() of these are plain, so paths can be memoised
 _STRIDED = frozenset({torch.strided})
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
@@ -267,10 +269,10 @@ class _Flattener:
         """The items of a dict of plain tensors, encoded in one batch; None when the batch does not apply (then the
         per-item path runs, and raises the same error for the same first bad value as always)."""
         vals = list(obj.values())
-        if not set(map(type, vals)) <= _TENSOR_TYPES:
+        if not set(map(type, vals)) <= PLAIN_TENSOR_TYPES:
             return None
         keys = list(obj)
-        if not set(map(type, keys)) <= _KEY_TYPES:
+        if not set(map(type, keys)) <= PLAIN_KEY_TYPES:
             return None
         memo = self.old_nodes.get((path, prefix))
         if memo is None or memo.keys != keys:
@@ -292,9 +294,9 @@ class _Flattener:
         keys = list(obj)
         inner_keys = [list(d) for d in inner]
         vals = [v for d in inner for v in d.values()]
-        if len(vals) < BATCH_MIN or not set(map(type, vals)) <= _TENSOR_TYPES:
+        if len(vals) < BATCH_MIN or not set(map(type, vals)) <= PLAIN_TENSOR_TYPES:
             return None
-        if not set(map(type, keys)) <= _KEY_TYPES or not set(map(type, chain.from_iterable(inner_keys))) <= _KEY_TYPES:
+        if not set(map(type, keys)) <= PLAIN_KEY_TYPES or not set(map(type, chain.from_iterable(inner_keys))) <= PLAIN_KEY_TYPES:
             return None
         signature = (keys, inner_keys)
         memo = self.old_nodes.get((path, prefix))
