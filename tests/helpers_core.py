@@ -238,6 +238,15 @@ def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, 
             sched.step()
 
 
+def small_mlp_after_one_step(g: torch.Generator) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A 6-5-3 MLP and its AdamW after one step on random inputs from ``g`` (so the optimizer has its moments)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 6, generator=g)).sum().backward()
+    opt.step()
+    return model, opt
+
+
 # ------------------------------------------------------------------------------------------- SIGKILL test states
 
 

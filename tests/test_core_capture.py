@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers_core import small_mlp_after_one_step
 
 from tierckpt import CheckpointManager
 from tierckpt.snapshot import capture, tree
@@ -33,10 +34,7 @@ class _Extra(torch.nn.Module):
 
 def _rich_state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 6, generator=g)).sum().backward()
-    opt.step()
+    model, opt = small_mlp_after_one_step(g)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
     w = torch.randn(4, generator=g)
     return {

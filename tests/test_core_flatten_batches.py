@@ -10,16 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers_core import small_mlp_after_one_step
 
 from tierckpt.snapshot import tree
 
 
 def _optimizer_like(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 6, generator=g)).sum().backward()
-    opt.step()
+    model, opt = small_mlp_after_one_step(g)
     state: dict[str, Any] = {"model": model, "optim": opt}
     # a hand-made per-key state: int and str keys, an empty inner dict, an empty tensor, mixed dtypes
     state["extra"] = {
