@@ -113,30 +113,40 @@ def build_cases(
 
 def run_suite(ctx: Ctx, cases: dict[str, Case], repeats: int, label: str = "") -> dict[str, Any]:
     """Run every case ``repeats`` times, rotating the order each repeat; return per-case medians and raw runs."""
-    raw: dict[str, list[Metrics]] = {name: [] for name in cases}
-    names = list(cases)
+    return run_suites([(label, ctx, cases)], repeats)[0]
+
+
+def run_suites(suites: list[tuple[str, Ctx, dict[str, Case]]], repeats: int) -> list[dict[str, Any]]:
+    """Several suites (``(label, ctx, cases)``, e.g. one state per tensor count) run interleaved: each repeat runs
+    every suite once, the suites and each suite's cases in an order rotated every repeat, so that a drift of the
+    machine (the virtual disk's speed changes over minutes) falls on every suite alike. Per suite, per-case medians
+    and raw runs, as :func:`run_suite`."""
+    raws: list[dict[str, list[Metrics]]] = [{name: [] for name in cases} for _, _, cases in suites]
     for r in range(repeats):
-        ctx.repeat = r
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            settle()
-            waited, before = wait_for_quiet(ctx.quiet_wait) if ctx.quiet_wait > 0 else (0.0, None)
-            t0 = time.perf_counter()
-            snap = cpu_snapshot()
-            try:
-                m = cases[name](ctx)
-            except Exception as exc:  # one broken system must not take the whole run down; it is reported
-                m = {"error": f"{type(exc).__name__}: {exc}"}
-                log(f"{label}{name} repeat {r + 1}: FAILED {m['error']}")
-            m["foreign_cores"] = foreign_cpu(snap)
-            m["foreign_cores_before"] = before
-            raw[name].append(m)
-            note = (
-                f", other processes busy {m['foreign_cores']:.2f} cores" if m["foreign_cores"] > 0.2 else ""
-            )
-            wait_note = f", waited {waited:.0f}s for quiet" if waited > 1 else ""
-            log(f"{label}{name} repeat {r + 1}/{repeats} ({time.perf_counter() - t0:.1f}s{note}{wait_note})")
-    return {"medians": {name: summarize(runs) for name, runs in raw.items()}, "runs": raw}
+        for s in suites[r % len(suites) :] + suites[: r % len(suites)]:
+            label, ctx, cases = s
+            raw = raws[suites.index(s)]
+            ctx.repeat = r
+            names = list(cases)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                settle()
+                waited, before = wait_for_quiet(ctx.quiet_wait) if ctx.quiet_wait > 0 else (0.0, None)
+                t0 = time.perf_counter()
+                snap = cpu_snapshot()
+                try:
+                    m = cases[name](ctx)
+                except Exception as exc:  # one broken system must not take the whole run down; it is reported
+                    m = {"error": f"{type(exc).__name__}: {exc}"}
+                    log(f"{label}{name} repeat {r + 1}: FAILED {m['error']}")
+                m["foreign_cores"] = foreign_cpu(snap)
+                m["foreign_cores_before"] = before
+                raw[name].append(m)
+                note = (
+                    f", other processes busy {m['foreign_cores']:.2f} cores" if m["foreign_cores"] > 0.2 else ""
+                )
+                wait_note = f", waited {waited:.0f}s for quiet" if waited > 1 else ""
+                log(f"{label}{name} repeat {r + 1}/{repeats} ({time.perf_counter() - t0:.1f}s{note}{wait_note})")
+    return [{"medians": {name: summarize(runs) for name, runs in raw.items()}, "runs": raw} for raw in raws]
 
 
 def summarize(runs: list[Metrics]) -> Metrics:
@@ -503,6 +513,24 @@ SCALING_SYSTEMS = [
 ]
 
 
+#: tierckpt's metrics compared across tensor counts: key in the case's medians, column label.
+COUNT_METRICS = [
+    ("stall", "stall"),
+    ("durable", "durable"),
+    ("load_cold", "restore cold"),
+    ("load_cold_inplace", "in place cold"),
+    ("load_warm", "restore warm"),
+    ("load_warm_inplace", "in place warm"),
+]
+
+
+def _count_ratio(e: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    """``"1.23x (45/55 ms)"``: tierckpt's ``key`` at this count against the base count's."""
+    a, b = base["medians"]["tierckpt"].get(key), e["medians"]["tierckpt"].get(key)
+    r = ratio(b, a)
+    return "-" if r is None else f"{r:.2f}x ({a * 1e3:.0f}/{b * 1e3:.0f} ms)"
+
+
 def main_scaling(args: argparse.Namespace) -> dict[str, Any]:
     """State-size sweep (stall and durable per system) and tensor-count sweep (same bytes, more tensors)."""
     scratch = scratch_dir(args.dir)
@@ -532,22 +560,27 @@ def main_scaling(args: argparse.Namespace) -> dict[str, Any]:
         )
         del state, dst, ctx
         settle()
-    by_count: list[dict[str, Any]] = []
+    # the count sweep's states are all in memory at once, so that its repeats interleave them (a ratio between
+    # two counts is then not a ratio between two stretches of the machine's drift)
+    suites: list[tuple[str, Ctx, dict[str, Case]]] = []
     for n in counts:
         state = gpt_state(int(args.count_size_gib * GiB), n_tensors=n)
         dst = empty_like_state(state)
-        desc = describe(state)
-        ctx = Ctx(state, dst, scratch, threads=args.threads, loads=True, check=False, tierckpt=tc,
+        (scratch / f"n{n}").mkdir(parents=True, exist_ok=True)
+        ctx = Ctx(state, dst, scratch / f"n{n}", threads=args.threads, loads=True, check=False, tierckpt=tc,
                   tierckpt_kwargs=kw, saves=3, quiet_wait=args.quiet_wait)  # fmt: skip
         cases = build_cases(
             tierckpt=tc is not None, remote=False, s3=False, peers=["torch.save", "dcp.async_save"]
         )
         cases.pop("hash", None)
-        res = run_suite(ctx, cases, args.repeats, label=f"[{desc['tensors']} tensors] ")
+        suites.append((f"[{describe(state)['tensors']} tensors] ", ctx, cases))
+    by_count: list[dict[str, Any]] = []
+    for (_, ctx, _), res in zip(suites, run_suites(suites, args.repeats)):
+        desc = describe(ctx.state)
         by_count.append({"tensors": desc["tensors"], "state": desc, "medians": res["medians"],
                          "derived": derive(res["medians"], desc["bytes"])})  # fmt: skip
-        del state, dst, ctx
-        settle()
+    del suites
+    settle()
 
     systems = [
         s for s in ["memcpy", "raw", *SCALING_SYSTEMS, "tierckpt"] if any(s in e["medians"] for e in by_size)
@@ -591,6 +624,12 @@ def main_scaling(args: argparse.Namespace) -> dict[str, Any]:
         (f"Tensor-count sweep at {args.count_size_gib} GiB (median seconds; ratio to the fewest-tensors run)",
          ["tensors", "system", "stall s", "durable s", "load cold s", "ratio"], count_rows),
     ]  # fmt: skip
+    if len(by_count) > 1 and all("tierckpt" in e["medians"] for e in by_count):
+        tables.append((
+            "tierckpt per tensor count: each metric's median against the fewest-tensors run's (the target: < 1.5x)",
+            ["tensors", *(label for _, label in COUNT_METRICS)],
+            [[str(e["tensors"]), *(_count_ratio(e, by_count[0], k) for k, _ in COUNT_METRICS)] for e in by_count[1:]],
+        ))  # fmt: skip
     print_report(tables)
     if args.plot and by_size:  # a count-only sweep leaves the size plot alone
         plot_scaling(by_size, Path(args.plot))

@@ -140,3 +140,25 @@ def test_memcpy_limit_times_copy_and_the_streaming_copy_into_the_targets(tmp_pat
     assert d["limits"]["memcpy_stream"] == 1.0
     assert d["systems"]["tierckpt"]["stall_vs_memcpy"] == pytest.approx(0.75)
     assert d["systems"]["tierckpt"]["stall_vs_stream"] == pytest.approx(1.5)
+
+
+def test_suites_run_interleaved_with_rotating_order(tmp_path: Path) -> None:
+    """The count sweep's suites alternate within every repeat (not all of one, then all of the other), and the
+    order of the suites and of their cases rotates, so that neither always runs first."""
+    calls: list[tuple[str, str, int]] = []
+
+    def case(suite: str, name: str):  # type: ignore[no-untyped-def]
+        def run(ctx: object) -> dict[str, float]:
+            calls.append((suite, name, ctx.repeat))  # type: ignore[attr-defined]
+            return {"time": float(len(calls))}
+
+        return run
+
+    suites = [(f"[{s}] ", _ctx(tmp_path), {n: case(s, n) for n in ("x", "y")}) for s in ("A", "B")]
+    out = bench.run_suites(suites, 2)
+    assert calls == [("A", "x", 0), ("A", "y", 0), ("B", "x", 0), ("B", "y", 0),
+                     ("B", "y", 1), ("B", "x", 1), ("A", "y", 1), ("A", "x", 1)]  # fmt: skip
+    # each suite's medians come from its own runs only (A's x ran 1st and 8th: median 4.5)
+    assert out[0]["medians"]["x"]["time"] == 4.5
+    assert out[1]["medians"]["y"]["time"] == 4.5
+    assert [len(r) for r in out[0]["runs"].values()] == [2, 2]
