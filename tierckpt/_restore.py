@@ -173,7 +173,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
                 "tensors (DTensor/FSDP2 state) can be resharded", step=step, tier=store.tier)
         if pending is None:  # the large live tensors' own bytes (plan.direct keeps them alive)
             direct = plan.direct
-            scatter = {i: byte_view(t) for i, t in direct.items() if t.nbytes >= DIRECT_READ_MIN_BYTES}
+            # the plan matched each target's dtype and shape to its record: the record's size is the tensor's
+            recs = rm.tensors
+            scatter = {i: byte_view(t) for i, t in direct.items() if recs[i].nbytes >= DIRECT_READ_MIN_BYTES}
             pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter)
         views, offsets = pending.result()
     except BaseException:
