@@ -124,3 +124,79 @@ def test_fault_in_keeps_the_bytes_with_madvise_and_zeroes_without(monkeypatch):
     buf.fill_(5)
     staging.fault_in(buf, pinned=True)  # pinned memory is resident already: untouched
     assert bool((buf == 5).all())
+
+
+def _populate_write_works() -> bool:
+    probe = staging.aligned_empty(1 << 16, pin=False)
+    return staging._libc_madvise is not None and staging._libc_madvise(
+        probe.data_ptr(), probe.numel(), staging._MADV_POPULATE_WRITE) == 0
+
+
+def _resident_fraction(buf: torch.Tensor) -> float:
+    """The share of the (page-aligned) buffer's pages that are in memory, from ``mincore``."""
+    import ctypes
+
+    from tierckpt._libc import libc_function
+
+    mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p], ctypes.c_int)
+    if mincore is None:
+        pytest.skip("no mincore here")
+    pages = -(-buf.numel() // 4096)
+    vec = ctypes.create_string_buffer(pages)
+    assert mincore(buf.data_ptr(), buf.numel(), vec) == 0
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+@pytest.mark.skipif(not _populate_write_works(), reason="no madvise(MADV_POPULATE_WRITE) here (Linux 5.14+)")
+def test_populator_faults_a_fresh_buffer_in_and_never_changes_a_byte_written_beside_it():
+    """What a default restore relies on: the pages of its fresh buffer are faulted in on another thread while the
+    reads fill it, and the bytes the reads wrote, before or during that, are what stays."""
+    size, part = 64 << 20, 1 << 20
+    buf = staging.aligned_empty(size, pin=False)
+    assert _resident_fraction(buf) < 0.1, "a fresh allocation is not resident yet"
+    pattern = [(i * 37) % 251 + 1 for i in range(size // part)]
+    half = len(pattern) // 2
+    for i in range(half):  # what the reads wrote before the populator started
+        buf[i * part : (i + 1) * part].fill_(pattern[i])
+    go = threading.Event()
+
+    def writer() -> None:  # the rest, written while the populator runs
+        go.wait()
+        for i in range(half, len(pattern)):
+            buf[i * part : (i + 1) * part].fill_(pattern[i])
+
+    t = threading.Thread(target=writer)
+    t.start()
+    populator = staging.Populator(buf)
+    go.set()
+    assert populator.wait(30)
+    t.join(30)
+    for i, v in enumerate(pattern):
+        assert bool((buf[i * part : (i + 1) * part] == v).all()), f"part {i} changed"
+    # alone on an untouched buffer: every page resident, every byte still the kernel's zero
+    other = staging.aligned_empty(size, pin=False)
+    assert _resident_fraction(other) < 0.1
+    staging.Populator(other).wait(30)
+    assert _resident_fraction(other) == 1.0
+    assert int(other.count_nonzero()) == 0
+
+
+def test_the_pool_populates_only_a_buffer_it_allocates_and_stops_before_the_slot_goes_back():
+    pool = staging.StagingPool(slots=1, pin=False)
+    slot = pool.acquire(256 << 20, populate=True)
+    populator = slot._populator
+    assert populator is not None
+    pool.release(slot)  # right away: 256 MiB take tens of ms to fault in, so the thread is stopped mid-way
+    assert slot._populator is None
+    assert populator.wait(0), "release returned while the populator still ran"
+    again = pool.acquire(256 << 20, populate=True)  # the same buffer: nothing to populate
+    assert again is slot and again._populator is None
+    pool.release(again)
+    plain = staging.StagingPool(slots=1, pin=False).acquire(1 << 20)  # saves take no populator
+    assert plain._populator is None
+    grown = pool.acquire(512 << 20, populate=True)
+    running = grown._populator
+    assert running is not None
+    pool.close()  # while the new buffer may still be faulted in: stops that first
+    assert grown._populator is None and grown.buffer is None
+    assert running.wait(0)

@@ -7,7 +7,8 @@ being written waits for it (back-pressure) rather than allocating more memory; t
 the previous is written, at twice the memory.
 
 Buffers are allocated on first use (or ahead of it, on a background thread, by :meth:`StagingPool.reserve`), grown
-only when a state grows, and otherwise reused forever, so a steady-state save allocates nothing large. They are
+only when a state grows, and otherwise reused forever, so a steady-state save allocates nothing large. A restore's
+fresh buffer is faulted in by a :class:`Populator` while the reads fill it; it never changes a byte. They are
 pinned (page-locked) when CUDA is available, so device-to-host copies run at full PCIe/NVLink bandwidth on a
 dedicated copy stream without blocking the training stream.
 
@@ -45,6 +46,8 @@ GROWTH_QUANTUM = 64 << 20
 BUFFER_ALIGN = 4096
 #: At most this many threads copy small tensors (beyond that, memory bandwidth and cores run out, not work).
 MAX_COPY_THREADS = 4
+#: Bytes a :class:`Populator` faults in per ``madvise`` call (its :meth:`~Populator.stop` waits for at most one).
+POPULATE_CHUNK = 16 << 20
 #: ``madvise`` advice (Linux 5.14+) that faults pages in as if written, without changing a byte of them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -124,6 +127,9 @@ class Slot:
     _views_for: object = None
     _views: list[torch.Tensor | np.ndarray] | None = None
     _headers_for: object = None
+    # faults in the pages of a fresh buffer while a restore reads into it (acquire(populate=True)); stopped and
+    # joined by release() and close(), before the slot can change hands or its buffer go
+    _populator: Populator | None = None
 
     @property
     def capacity(self) -> int:
@@ -161,9 +167,17 @@ class StagingPool:
         self.allocations = 0  # how many times a buffer was (re)allocated; steady state keeps this constant
         self._copy_executor: ThreadPoolExecutor | None = None
 
-    def acquire(self, nbytes: int, *, timeout: float | None = None) -> Slot:
-        """A free slot of at least ``nbytes`` (allocated or grown here if needed); blocks while none is free."""
-        return self._acquire(nbytes, timeout)[0]
+    def acquire(self, nbytes: int, *, timeout: float | None = None, populate: bool = False) -> Slot:
+        """A free slot of at least ``nbytes`` (allocated or grown here if needed); blocks while none is free.
+
+        ``populate``: if the buffer is allocated here, fault its pages in on a background thread (a
+        :class:`Populator`) while the caller fills it, until :meth:`release`. For a restore, whose reads wait on the
+        disk: without it each reader traps into the kernel once per 4 KiB page as its bytes land in fresh memory
+        (2 GiB, cold: 2.1 -> 1.3 s when the buffer had been faulted in before)."""
+        slot, allocated = self._acquire(nbytes, timeout)
+        if populate and allocated and slot.buffer is not None and not self.pin:
+            slot._populator = Populator(slot.buffer)
+        return slot
 
     def _acquire(self, nbytes: int, timeout: float | None) -> tuple[Slot, bool]:
         """:meth:`acquire`, and whether the slot's buffer was allocated by this call."""
@@ -183,6 +197,9 @@ class StagingPool:
         return slot, False
 
     def release(self, slot: Slot) -> None:
+        populator, slot._populator = slot._populator, None
+        if populator is not None:
+            populator.stop()
         with self._cond:
             if slot not in self._free:
                 self._free.append(slot)
@@ -237,6 +254,10 @@ class StagingPool:
             return self._copy_executor
 
     def close(self) -> None:
+        for s in self._slots:
+            populator, s._populator = s._populator, None
+            if populator is not None:
+                populator.stop()
         with self._cond:
             for s in self._slots:
                 s.buffer, s._views_for, s._views, s._headers_for = None, None, [], None
@@ -255,6 +276,50 @@ def fault_in(buffer: torch.Tensor, *, pinned: bool) -> None:
     if _libc_madvise is not None and _libc_madvise(buffer.data_ptr(), buffer.numel(), _MADV_POPULATE_WRITE) == 0:
         return
     buffer.zero_()
+
+
+class Populator:
+    """Faults in a fresh host buffer's pages on a ``tierckpt-populate`` thread, :data:`POPULATE_CHUNK` at a time from
+    its start, while other threads fill it (a restore's reads), until done or :meth:`stop`.
+
+    Only with ``madvise(MADV_POPULATE_WRITE)``, which maps each missing page without writing a byte and leaves a
+    page that is already there alone: it is safe beside the threads writing the same memory, whose bytes it never
+    touches. Where that advice fails (kernels before 5.14, other platforms) the thread ends at its first chunk; the
+    writers then fault the pages in themselves, as they would without it. Call order: construct (right after the
+    allocation) -> fill the buffer meanwhile -> :meth:`stop` (before the buffer may be freed or reused).
+    """
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._addr, self._size = buffer.data_ptr(), buffer.numel()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        if _libc_madvise is not None and self._size:
+            self._thread = threading.Thread(target=self._run, name="tierckpt-populate", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert _libc_madvise is not None
+        for start in range(0, self._size, POPULATE_CHUNK):
+            if self._stopped.is_set():
+                return
+            n = min(POPULATE_CHUNK, self._size - start)
+            if _libc_madvise(self._addr + start, n, _MADV_POPULATE_WRITE) != 0:
+                log.debug("staging: madvise(MADV_POPULATE_WRITE) failed (errno %d): pages fault in on use",
+                          ctypes.get_errno())
+                return
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the thread has been through the whole buffer (or given up); whether it has."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def stop(self) -> None:
+        """Stop at the next chunk and wait for the thread (one madvise of at most a chunk: a few ms)."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def aligned_empty(size: int, *, pin: bool) -> torch.Tensor:
