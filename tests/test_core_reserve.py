@@ -200,3 +200,28 @@ def test_the_pool_populates_only_a_buffer_it_allocates_and_stops_before_the_slot
     pool.close()  # while the new buffer may still be faulted in: stops that first
     assert grown._populator is None and grown.buffer is None
     assert running.wait(0)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_restore_populates_its_fresh_buffer_only_when_every_byte_is_read_into_it(tmp_path, monkeypatch, in_place):
+    """A default restore fills the whole slot, so its pages are faulted in beside the reads; an in-place one reads
+    the large tensors straight into the state and leaves most of the slot untouched, so it populates nothing."""
+    state = {"big": torch.randn(1 << 18), "small": torch.randn(10)}  # 1 MiB: read in place; 40 B: via the slot
+    with tierckpt.CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    made: list[int] = []
+    real = staging.Populator
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, buffer: torch.Tensor) -> None:
+            made.append(buffer.numel())
+            super().__init__(buffer)
+
+    monkeypatch.setattr(staging, "Populator", Recording)
+    with tierckpt.CheckpointManager(tmp_path / "ck") as mgr:
+        target = zeros_like_tree(state)
+        assert mgr.restore(target, in_place=in_place) == 1
+        assert_tree_equal(target, state)
+        assert mgr._pool._slots[0]._populator is None  # stopped once the restore gave the slot back
+    assert len(made) == (0 if in_place else 1)

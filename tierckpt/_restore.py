@@ -141,7 +141,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     holder: dict[str, Any] = {}
 
     def alloc(n: int) -> memoryview:
-        slot = mgr._pool.acquire(n, populate=True)  # a fresh buffer's pages fault in beside the reads
+        # a fresh buffer's pages fault in beside the reads that fill it (not beside direct reads, which leave
+        # most of it untouched)
+        slot = mgr._pool.acquire(n, populate=not direct_reads)
         slot._headers_for = None  # the checkpoint's bytes will overwrite the headers a save left there
         holder["slot"] = slot
         assert slot.buffer is not None
