@@ -132,6 +132,13 @@ def _populate_write_works() -> bool:
         probe.data_ptr(), probe.numel(), staging._MADV_POPULATE_WRITE) == 0
 
 
+def _fresh(size: int) -> torch.Tensor:
+    """Memory no one has touched: its own anonymous mapping (an allocator may hand back pages it used before)."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+
+
 def _resident_fraction(buf: torch.Tensor) -> float:
     """The share of the (page-aligned) buffer's pages that are in memory, from ``mincore``."""
     import ctypes
@@ -152,8 +159,8 @@ def test_populator_faults_a_fresh_buffer_in_and_never_changes_a_byte_written_bes
     """What a default restore relies on: the pages of its fresh buffer are faulted in on another thread while the
     reads fill it, and the bytes the reads wrote, before or during that, are what stays."""
     size, part = 64 << 20, 1 << 20
-    buf = staging.aligned_empty(size, pin=False)
-    assert _resident_fraction(buf) < 0.1, "a fresh allocation is not resident yet"
+    buf = _fresh(size)
+    assert _resident_fraction(buf) == 0.0
     pattern = [(i * 37) % 251 + 1 for i in range(size // part)]
     half = len(pattern) // 2
     for i in range(half):  # what the reads wrote before the populator started
@@ -174,8 +181,8 @@ def test_populator_faults_a_fresh_buffer_in_and_never_changes_a_byte_written_bes
     for i, v in enumerate(pattern):
         assert bool((buf[i * part : (i + 1) * part] == v).all()), f"part {i} changed"
     # alone on an untouched buffer: every page resident, every byte still the kernel's zero
-    other = staging.aligned_empty(size, pin=False)
-    assert _resident_fraction(other) < 0.1
+    other = _fresh(size)
+    assert _resident_fraction(other) == 0.0
     staging.Populator(other).wait(30)
     assert _resident_fraction(other) == 1.0
     assert int(other.count_nonzero()) == 0
