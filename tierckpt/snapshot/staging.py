@@ -173,7 +173,8 @@ class StagingPool:
         ``populate``: if the buffer is allocated here, fault its pages in on a background thread (a
         :class:`Populator`) while the caller fills it, until :meth:`release`. For a restore, whose reads wait on the
         disk: without it each reader traps into the kernel once per 4 KiB page as its bytes land in fresh memory
-        (2 GiB, cold: 2.1 -> 1.3 s when the buffer had been faulted in before)."""
+        (2 GiB, cold, 4 restores each: 2.1 s into a fresh buffer, 1.3 s into one faulted in before). What the
+        populator wins back varies: docs/design.md, ``tierckpt-populate``."""
         slot, allocated = self._acquire(nbytes, timeout)
         if populate and allocated and slot.buffer is not None and not self.pin:
             slot._populator = Populator(slot.buffer)
