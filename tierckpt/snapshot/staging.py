@@ -274,9 +274,15 @@ def fault_in(buffer: torch.Tensor, *, pinned: bool) -> None:
     without changing a byte; elsewhere the buffer is zeroed, which only its owner may do (the caller holds it)."""
     if pinned or buffer.numel() == 0:
         return
-    if _libc_madvise is not None and _libc_madvise(buffer.data_ptr(), buffer.numel(), _MADV_POPULATE_WRITE) == 0:
+    if _populate_write(buffer.data_ptr(), buffer.numel()):
         return
     buffer.zero_()
+
+
+def _populate_write(addr: int, n: int) -> bool:
+    """``madvise(MADV_POPULATE_WRITE)`` over ``n`` bytes at ``addr``: whether it worked (pages mapped, no byte
+    changed)."""
+    return _libc_madvise is not None and _libc_madvise(addr, n, _MADV_POPULATE_WRITE) == 0
 
 
 class Populator:
@@ -299,12 +305,10 @@ class Populator:
             self._thread.start()
 
     def _run(self) -> None:
-        assert _libc_madvise is not None
         for start in range(0, self._size, POPULATE_CHUNK):
             if self._stopped.is_set():
                 return
-            n = min(POPULATE_CHUNK, self._size - start)
-            if _libc_madvise(self._addr + start, n, _MADV_POPULATE_WRITE) != 0:
+            if not _populate_write(self._addr + start, min(POPULATE_CHUNK, self._size - start)):
                 log.debug("staging: madvise(MADV_POPULATE_WRITE) failed (errno %d): pages fault in on use",
                           ctypes.get_errno())
                 return
