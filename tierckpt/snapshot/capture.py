@@ -40,7 +40,9 @@ from .tree import (
     GeneratorState,
     StateDictOf,
     is_stateful,
+    state_dict_of,
     type_name,
+    unsupported,
 )
 
 _ATOMS = frozenset({int, str, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size})
@@ -95,16 +97,14 @@ def _value(obj: Any, path: str, depth: int) -> Any:
         return obj  # subclasses (DTensor...) and arrays: the flatten decides
     if isinstance(obj, Mapping):
         return _mapping(obj, path, depth)
-    if tp is list:
-        if set(map(type, obj)) <= _ATOMS:  # a list of numbers, strings...: copied whole
+    if isinstance(obj, list):
+        if tp is list and set(map(type, obj)) <= _ATOMS:  # a list of numbers, strings...: copied whole
             return list(obj)
         return [_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
     if isinstance(obj, (bool, int, float, str, bytes)) or obj is None:
         return obj
     if isinstance(obj, torch.Size):
         return obj
-    if isinstance(obj, list):
-        return [_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
         return tuple(_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj))
     if isinstance(obj, (set, frozenset)):
@@ -121,16 +121,8 @@ def _value(obj: Any, path: str, depth: int) -> Any:
     if is_stateful(obj):
         if isinstance(obj, torch.nn.Module) and deferrable(obj):
             return obj  # its state_dict() on the snapshot thread
-        try:
-            sd = obj.state_dict()
-        except Exception as exc:
-            raise TypeError(f"{type(obj).__name__}.state_dict() failed at {path}: {exc}") from exc
-        return StateDictOf(type_name(obj), _value(sd, path, depth + 1))
-    raise TypeError(
-        f"cannot checkpoint a value of type {type(obj).__module__}.{type(obj).__qualname__} at {path}: "
-        "supported are tensors, numpy arrays, objects with state_dict()/load_state_dict(), and nested "
-        "dict/list/tuple of those and of int, float, str, bool, None, bytes"
-    )
+        return StateDictOf(type_name(obj), _value(state_dict_of(obj, path), path, depth + 1))
+    raise unsupported(obj, path)
 
 
 __all__ = ["capture", "deferrable"]

@@ -153,6 +153,23 @@ def type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def state_dict_of(obj: Any, path: str) -> Any:
+    """``obj.state_dict()``, its failure raised as the ``TypeError`` that names the key path (flatten and capture)."""
+    try:
+        return obj.state_dict()
+    except Exception as exc:
+        raise TypeError(f"{type(obj).__name__}.state_dict() failed at {path}: {exc}") from exc
+
+
+def unsupported(obj: Any, path: str) -> TypeError:
+    """The error for a value no checkpoint can hold (flatten and capture raise the same one)."""
+    return TypeError(
+        f"cannot checkpoint a value of type {type_name(obj)} at {path}: "
+        "supported are tensors, numpy arrays, objects with state_dict()/load_state_dict(), and nested "
+        "dict/list/tuple of those and of int, float, str, bool, None, bytes"
+    )
+
+
 def is_stateful(obj: Any) -> bool:
     return (
         not isinstance(obj, (torch.Tensor, type))
@@ -489,16 +506,9 @@ class _Flattener:
             return {"$set": [self.encode(v, path, prefix, depth + 1) for v in obj]}
         if is_stateful(obj):
             self.stateful.append(path)
-            try:
-                sd = obj.state_dict()
-            except Exception as exc:
-                raise TypeError(f"{type(obj).__name__}.state_dict() failed at {path}: {exc}") from exc
+            sd = state_dict_of(obj, path)
             return {"$stateful": self.encode(sd, path, prefix, depth + 1), "type": type_name(obj)}
-        raise TypeError(
-            f"cannot checkpoint a value of type {type(obj).__module__}.{type(obj).__qualname__} at {path}: "
-            "supported are tensors, numpy arrays, objects with state_dict()/load_state_dict(), and nested "
-            "dict/list/tuple of those and of int, float, str, bool, None, bytes"
-        )
+        raise unsupported(obj, path)
 
 
 def flatten(state: Mapping[str, Any], memo: FlattenMemo | None = None) -> FlatState:
