@@ -122,10 +122,10 @@ def run_suites(suites: list[tuple[str, Ctx, dict[str, Case]]], repeats: int) -> 
     machine (the virtual disk's speed changes over minutes) falls on every suite alike. Per suite, per-case medians
     and raw runs, as :func:`run_suite`."""
     raws: list[dict[str, list[Metrics]]] = [{name: [] for name in cases} for _, _, cases in suites]
+    order = list(range(len(suites)))
     for r in range(repeats):
-        for s in suites[r % len(suites) :] + suites[: r % len(suites)]:
-            label, ctx, cases = s
-            raw = raws[suites.index(s)]
+        for i in order[r % len(order) :] + order[: r % len(order)]:
+            (label, ctx, cases), raw = suites[i], raws[i]
             ctx.repeat = r
             names = list(cases)
             for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -563,6 +563,7 @@ def main_scaling(args: argparse.Namespace) -> dict[str, Any]:
     # the count sweep's states are all in memory at once, so that its repeats interleave them (a ratio between
     # two counts is then not a ratio between two stretches of the machine's drift)
     suites: list[tuple[str, Ctx, dict[str, Case]]] = []
+    descs: list[dict[str, Any]] = []
     for n in counts:
         state = gpt_state(int(args.count_size_gib * GiB), n_tensors=n)
         dst = empty_like_state(state)
@@ -573,10 +574,10 @@ def main_scaling(args: argparse.Namespace) -> dict[str, Any]:
             tierckpt=tc is not None, remote=False, s3=False, peers=["torch.save", "dcp.async_save"]
         )
         cases.pop("hash", None)
-        suites.append((f"[{describe(state)['tensors']} tensors] ", ctx, cases))
+        descs.append(describe(state))
+        suites.append((f"[{descs[-1]['tensors']} tensors] ", ctx, cases))
     by_count: list[dict[str, Any]] = []
-    for (_, ctx, _), res in zip(suites, run_suites(suites, args.repeats)):
-        desc = describe(ctx.state)
+    for desc, res in zip(descs, run_suites(suites, args.repeats)):
         by_count.append({"tensors": desc["tensors"], "state": desc, "medians": res["medians"],
                          "derived": derive(res["medians"], desc["bytes"])})  # fmt: skip
     del suites
