@@ -113,8 +113,7 @@ def test_reserve_on_a_closed_manager_raises(tmp_path):
 def test_fault_in_keeps_the_bytes_with_madvise_and_zeroes_without(monkeypatch):
     buf = staging.aligned_empty(1 << 20, pin=False)
     buf.fill_(7)
-    if staging._libc_madvise is None or staging._libc_madvise(buf.data_ptr(), buf.numel(),
-                                                              staging._MADV_POPULATE_WRITE) != 0:
+    if not staging._populate_write(buf.data_ptr(), buf.numel()):
         pytest.skip("no madvise(MADV_POPULATE_WRITE) here (Linux 5.14+)")
     staging.fault_in(buf, pinned=False)
     assert bool((buf == 7).all()), "MADV_POPULATE_WRITE changed the buffer"
@@ -128,8 +127,7 @@ def test_fault_in_keeps_the_bytes_with_madvise_and_zeroes_without(monkeypatch):
 
 def _populate_write_works() -> bool:
     probe = staging.aligned_empty(1 << 16, pin=False)
-    return staging._libc_madvise is not None and staging._libc_madvise(
-        probe.data_ptr(), probe.numel(), staging._MADV_POPULATE_WRITE) == 0
+    return staging._populate_write(probe.data_ptr(), probe.numel())
 
 
 def _fresh(size: int) -> torch.Tensor:
