@@ -1,8 +1,9 @@
-"""Issue 5: reads of uncached ranges go around the page cache and keep every guarantee.
+"""Issue 5: a restore reads uncached files around the page cache and keeps every guarantee.
 
-``LocalStore(direct_io=True).readinto`` (the local tier's default) reads a large page-aligned range that is not in
-the page cache with ``O_DIRECT``; a cached range, an unaligned buffer and a file's unaligned tail are read buffered.
-Either way the bytes are the file's, a short file gives a short count, and a restore still verifies every byte.
+``LocalStore(direct_io=True)`` (the local tier's default) has ``direct_reads``: ``readinto_direct`` reads the aligned
+bulk of a page-aligned buffer with ``O_DIRECT`` (an unaligned buffer and a file's unaligned tail buffered), and
+``uncached`` says whether a range is mostly out of the page cache. A restore reads a file direct only then; either
+way the bytes are the file's, a short file gives a short count, and every byte is still verified.
 The page cache's state is read with ``mincore`` (:func:`tierckpt.storage.local.cached_share`), the real thing the
 store decides on; a file is evicted with ``fsync`` + ``posix_fadvise(DONTNEED)``.
 """
@@ -86,27 +87,34 @@ def _opened_flags(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_an_uncached_range_is_read_direct_and_stays_out_of_the_cache(tmp_path: Path) -> None:
     size = 3 * local_mod.DIRECT_MIN_BYTES + 777  # an unaligned tail after an aligned bulk
     path, data = _file(tmp_path, size)
+    store = LocalStore(tmp_path, direct_io=True)
     _evict(path)
+    assert store.uncached("f.bin", 0, size)
     view = _aligned_view(size)
-    assert LocalStore(tmp_path, direct_io=True).readinto("f.bin", 0, view) == size
+    assert store.readinto_direct("f.bin", 0, view) == size
     assert bytes(view) == data
     head = size - size % DIRECT_ALIGN
     if _direct_supported(tmp_path):
+        assert store.direct_reads
         assert _share(path, head) == 0.0  # a buffered read would have left every page of it cached
+        assert store.uncached("f.bin", 0, size)
     else:
         assert _share(path, head) == 1.0
 
 
-def test_a_cached_range_is_read_through_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    size = 2 * local_mod.DIRECT_MIN_BYTES
-    path, data = _file(tmp_path, size)
-    path.read_bytes()  # every page cached
-    assert _share(path) == 1.0
-    flags = _opened_flags(monkeypatch)
-    view = _aligned_view(size)
-    assert LocalStore(tmp_path, direct_io=True).readinto("f.bin", 0, view) == size
-    assert bytes(view) == data
-    assert flags and not any(f & local_mod._O_DIRECT for f in flags)
+def test_uncached_tells_cached_from_uncached_ranges(tmp_path: Path) -> None:
+    size = 4 * local_mod.DIRECT_MIN_BYTES
+    path, _ = _file(tmp_path, size)
+    store = LocalStore(tmp_path, direct_io=True)
+    _evict(path)
+    with open(path, "rb") as f:  # the first half into the cache, buffered (and the readahead beyond it out again)
+        f.read(size // 2)
+        os.posix_fadvise(f.fileno(), size // 2, 0, os.POSIX_FADV_DONTNEED)
+    assert not store.uncached("f.bin", 0, size // 2)
+    assert store.uncached("f.bin", size // 2, size // 2)
+    assert not store.uncached("missing.bin", 0, size)  # unknown: the read that follows reports it
+    path.read_bytes()
+    assert not store.uncached("f.bin", 0, size)
 
 
 def test_reads_at_an_offset_short_files_and_unaligned_buffers(tmp_path: Path) -> None:
@@ -118,22 +126,22 @@ def test_reads_at_an_offset_short_files_and_unaligned_buffers(tmp_path: Path) ->
     off = DIRECT_ALIGN
     whole = _aligned_view(size + DIRECT_ALIGN)
     view = whole[:size]
-    assert store.readinto("f.bin", off, view) == size - off
+    assert store.readinto_direct("f.bin", off, view) == size - off
     assert bytes(view[: size - off]) == data[off:]
     assert bytes(whole[size:]) == b"\xab" * DIRECT_ALIGN  # nothing written past the caller's buffer
     # the file ends inside the aligned part of the buffer, at an unaligned point
     _evict(path)
     view = _aligned_view(size + 3 * DIRECT_ALIGN)
-    assert store.readinto("f.bin", 0, view) == size
+    assert store.readinto_direct("f.bin", 0, view) == size
     assert bytes(view[:size]) == data
     # an unaligned buffer and an unaligned offset are read buffered, and right
     _evict(path)
     raw = _aligned_view(local_mod.DIRECT_MIN_BYTES + 1)[1:]
-    assert store.readinto("f.bin", 3, raw) == raw.nbytes
+    assert store.readinto_direct("f.bin", 3, raw) == raw.nbytes
     assert bytes(raw) == data[3 : 3 + raw.nbytes]
     _evict(path)
     view = _aligned_view(local_mod.DIRECT_MIN_BYTES)
-    assert store.readinto("f.bin", 5, view) == view.nbytes
+    assert store.readinto_direct("f.bin", 5, view) == view.nbytes
     assert bytes(view) == data[5 : 5 + view.nbytes]
 
 
@@ -141,9 +149,11 @@ def test_direct_io_off_never_reads_direct(tmp_path: Path, monkeypatch: pytest.Mo
     size = 2 * local_mod.DIRECT_MIN_BYTES
     path, data = _file(tmp_path, size)
     _evict(path)
+    store = LocalStore(tmp_path, direct_io=False)
+    assert not store.direct_reads
     flags = _opened_flags(monkeypatch)
     view = _aligned_view(size)
-    assert LocalStore(tmp_path, direct_io=False).readinto("f.bin", 0, view) == size
+    assert store.readinto_direct("f.bin", 0, view) == size
     assert bytes(view) == data
     assert flags and not any(f & local_mod._O_DIRECT for f in flags)
 
@@ -170,6 +180,22 @@ def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Pat
         big = max(files, key=lambda f: f.stat().st_size)
         size = big.stat().st_size
         assert _share(big, size - size % DIRECT_ALIGN) < 0.5  # read around the cache, not through it
+
+
+def test_a_restore_from_a_cached_step_reads_through_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    for f in data_files(step_path(tmp_path, 1)):
+        f.read_bytes()  # as after the uploader or a buffered reader read it
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path) as mgr:
+        flags = _opened_flags(monkeypatch)
+        assert mgr.restore(out) == 1
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+    assert flags and not any(f & local_mod._O_DIRECT for f in flags)
 
 
 def test_corruption_in_an_uncached_step_is_still_found(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ through s3fs on a real S3-protocol server (moto, loopback). Each test runs once 
 from __future__ import annotations
 
 import array
+import ctypes
 
 import pytest
 from conftest import build_step, write_step
@@ -64,6 +65,23 @@ def test_readinto_offsets(store):
     assert store.readinto("empty", 0, memoryview(buf)) == 0
     with pytest.raises(FileNotFoundError):
         store.readinto("missing", 0, memoryview(buf))
+
+
+def test_readinto_direct_reads_what_readinto_reads(store):
+    """Every store: ``readinto_direct`` is ``readinto`` (around the page cache where ``direct_reads``), and
+    ``uncached`` only ever says yes where a direct read can follow."""
+    data = bytes(range(256)) * (3 * 4096 + 7)  # an aligned bulk and an unaligned tail
+    store.write_bytes("d", data)
+    raw = bytearray(len(data) + 2 * 4096)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+    view = memoryview(raw)[-addr % 4096 :][: len(data)]  # page-aligned, as a restore's staging buffer is
+    assert store.readinto_direct("d", 0, view) == len(data) and bytes(view) == data
+    assert store.readinto_direct("d", 4096, view) == len(data) - 4096 and bytes(view[: len(data) - 4096]) == data[4096:]
+    assert store.uncached("d", 0, len(data)) in (True, False)
+    if store.uncached("d", 0, len(data)):
+        assert store.direct_reads
+    with pytest.raises(FileNotFoundError):
+        store.readinto_direct("missing", 0, view)
 
 
 def test_open_read_and_iter_chunks(store):

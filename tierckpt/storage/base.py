@@ -9,6 +9,8 @@ on those flags, never on the store's type:
 - ``local_path``: the root is a local POSIX path, so callers may use OS calls (``preadv``, ``O_DIRECT``) directly.
 - ``parallel_writes``: concurrent writers to different files are worth it.
 - ``prefetch_reads``: :meth:`Store.prefetch` really starts reading (the OS page cache); elsewhere it is a no-op.
+- ``direct_reads``: :meth:`Store.readinto_direct` of a page-aligned buffer reads around the OS page cache
+  (``O_DIRECT``), and :meth:`Store.uncached` tells which ranges are not cached: readers read those direct.
 
 Writing a step (see :mod:`.commit` for the exact order): ``makedirs`` → per data file ``open_write`` / ``write`` /
 ``close`` → ``write_bytes`` of each rank manifest → ``write_bytes`` of ``manifest.json`` → commit protocol.
@@ -71,6 +73,7 @@ class Store(abc.ABC):
     local_path: str | None = None
     parallel_writes: bool = True
     prefetch_reads: bool = False
+    direct_reads: bool = False
 
     # --- listing and reading -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -102,6 +105,16 @@ class Store(abc.ABC):
             if n < buf.nbytes:
                 break
         return total
+
+    def readinto_direct(self, rel: str, offset: int, buf: memoryview) -> int:
+        """:meth:`readinto` around the OS page cache where the store can (``direct_reads``) and ``buf`` is
+        page-aligned; the same bytes either way."""
+        return self.readinto(rel, offset, buf)
+
+    def uncached(self, rel: str, offset: int, length: int) -> bool:
+        """Whether bytes ``[offset, offset + length)`` of ``rel`` are known not to be in memory (most of them), so
+        that a ``direct_reads`` store reads them direct; False where that cannot be told. ``offset``: page-aligned."""
+        return False
 
     def prefetch(self, rel: str, offset: int, length: int) -> None:
         """A hint that bytes ``[offset, offset + length)`` of ``rel`` will be read soon: stores that can

@@ -11,14 +11,14 @@ write whose buffer address, length or file offset is not a multiple of :data:`DI
 ``bytes`` object) switches that file descriptor back to buffered I/O, which the kernel keeps coherent with the
 direct part. The ``fsync`` before ``close()`` returns is the same either way.
 
-Reads: :meth:`LocalStore.readinto` of a large aligned range that is not in the page cache (``mincore`` on a mapping
-of that range: no I/O) reads it with ``O_DIRECT`` too (a restore after a restart: 10-20% faster on the benchmark
-host's disk, and no second copy through the cache); a cached range, an unaligned buffer and the unaligned tail of
-a file are read buffered, so a warm restore still reads from memory. The kernel writes back dirty cached pages of
-a range before a direct read of it, so either way the bytes are the file's. Vectored reads
-(:meth:`LocalStore.readinto_many`, an in-place restore's scatter into the caller's tensors) stay buffered, and
-:meth:`LocalStore.prefetch` queues reads into the page cache (``posix_fadvise(WILLNEED)``), so that an in-place
-restore keeps the disk busy while it parses manifests and plans.
+Reads: :meth:`LocalStore.readinto_direct` reads the aligned bulk of a page-aligned buffer with ``O_DIRECT`` (a
+restore after a restart: 10-20% faster on the benchmark host's disk, and no second copy through the cache), the
+rest buffered; :meth:`LocalStore.uncached` tells whether a range is mostly out of the page cache (``mincore`` on a
+mapping of the range: no I/O), and the reader (:mod:`tierckpt.tiers.reader`) reads direct only then, so a warm
+restore still reads from memory. The kernel writes back dirty cached pages of a range before a direct read of it,
+so either way the bytes are the file's. :meth:`LocalStore.prefetch` queues reads into the page cache
+(``posix_fadvise(WILLNEED)``), so that a buffered in-place restore keeps the disk busy while it parses manifests
+and plans.
 
 Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it (Linux >= 3.15,
 glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at a complete
@@ -215,6 +215,7 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str], *, tier: str = "local", create: bool = True,
                  direct_io: bool = False) -> None:
         self.direct_io = bool(direct_io and _O_DIRECT)
+        self.direct_reads = self.direct_io
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.local_path = self.root
@@ -252,40 +253,43 @@ class LocalStore(Store):
                 raise CheckpointError(f"file is {size} bytes, more than the {max_size} allowed", tier=self.tier, path=p)
             return f.read(min(size, max_size) + 1)
 
-    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
-        if self.direct_io and buf.nbytes >= DIRECT_MIN_BYTES:
-            head = buf.nbytes - buf.nbytes % DIRECT_ALIGN
-            if direct_ok(buf[:head], offset):
-                return self._readinto_uncached(rel, offset, buf, head)
-        return self.readinto_many(rel, offset, [buf])
-
-    def _readinto_uncached(self, rel: str, offset: int, buf: memoryview, head: int) -> int:
-        """``readinto`` of an aligned buffer: its aligned ``head`` with ``O_DIRECT`` unless most of it is cached, the
-        rest (a file's unaligned tail) buffered."""
-        path = self.path(rel)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    def uncached(self, rel: str, offset: int, length: int) -> bool:
         try:
-            share = cached_share(fd, offset, head)
-            if share is None or share >= DIRECT_READ_MAX_CACHED:
-                return preadv_into(fd, offset, [buf])
-            try:
-                dfd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this file system
-                    raise
-                return preadv_into(fd, offset, [buf])
-            n = 0
-            try:
-                while n < head:
-                    got = os.preadv(dfd, [buf[n:head]], offset + n)
-                    n += got
-                    if got <= 0 or got % DIRECT_ALIGN:  # the end of the file (shorter than the caller expected)
-                        return n
-            finally:
-                os.close(dfd)
-            return n + preadv_into(fd, offset + n, [buf[head:]])
+            fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False  # the read that follows reports it
+        try:
+            share = cached_share(fd, offset, length)
         finally:
             os.close(fd)
+        return share is not None and share < DIRECT_READ_MAX_CACHED
+
+    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
+        return self.readinto_many(rel, offset, [buf])
+
+    def readinto_direct(self, rel: str, offset: int, buf: memoryview) -> int:
+        """``readinto`` around the page cache: the aligned bulk of a page-aligned buffer at an aligned offset with
+        ``O_DIRECT``, the rest (a file's unaligned tail, or all of an unaligned buffer) buffered."""
+        head = buf.nbytes - buf.nbytes % DIRECT_ALIGN
+        if not (self.direct_io and head and direct_ok(buf[:head], offset)):
+            return self.readinto(rel, offset, buf)
+        path = self.path(rel)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this file system
+                raise
+            return self.readinto(rel, offset, buf)
+        n = 0
+        try:
+            while n < head:
+                got = os.preadv(fd, [buf[n:head]], offset + n)
+                n += got
+                if got <= 0 or got % DIRECT_ALIGN:  # the end of the file (shorter than the caller expected)
+                    return n
+        finally:
+            os.close(fd)
+        return n + (self.readinto(rel, offset + n, buf[head:]) if head < buf.nbytes else 0)
 
     def readinto_many(self, rel: str, offset: int, bufs: list[memoryview]) -> int:
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

@@ -8,7 +8,11 @@ Invariants:
 - all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder;
 - ``direct`` reads (restore with ``in_place=True``) scatter a file straight into the caller's tensors with vectored
   reads (``preadv``) on stores with a local path; those bytes are hashed where they land and a mismatch still raises,
-  but only after they were written there. Other stores read into the buffer, verify, then copy;
+  but only after they were written there (buffered: the caller's tensors are not aligned the way ``O_DIRECT`` needs,
+  and reading through a bounce buffer measured slower). Other stores read into the buffer, verify, then copy;
+- on a ``direct_reads`` store, a file read whole into the (page-aligned) buffer that is mostly not in the page
+  cache is read around it (:meth:`Store.readinto_direct`), so a restore after a restart neither fills the page cache
+  nor pays for its copy; a cached file is read from memory;
 - :class:`Prefetch` only asks the store to start reading (a hint, never data we use): it neither allocates nor
   verifies anything, and a failing or missing file there only ends the prefetch;
 - with hashing threads, a file's reader hands each piece it read to its own hashing task and reads on; the file is
@@ -315,7 +319,8 @@ class LoadCancelled(Exception):
 def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memoryview,
                  scatter: dict[int, memoryview] | None, hasher: _Hashing, stop: threading.Event | None) -> None:
     """Read file ``index`` in order (vectored into ``scatter`` tensors and ``out``, or all into ``out``), handing
-    each piece read to ``hasher``; checks ``stop`` before every read."""
+    each piece read to ``hasher``; checks ``stop`` before every read. On a ``direct_reads`` store, a file read into
+    ``out`` that is mostly not in the page cache (asked once, before its first read) is read around the cache."""
     f = rm.files[index]
     pos = 0
 
@@ -334,9 +339,10 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             hasher.feed(batch)
             pos += n
         return
+    read = store.readinto_direct if store.direct_reads and store.uncached(rel, 0, f.size) else store.readinto
     while pos < f.size:
         check()
-        n = store.readinto(rel, pos, out[pos : pos + READ_CHUNK])
+        n = read(rel, pos, out[pos : pos + READ_CHUNK])
         if n <= 0:
             raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
                                          path=f"{store.url}/{rel}", bad_files=[f.name])
