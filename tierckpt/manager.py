@@ -440,8 +440,10 @@ class CheckpointManager:
 
         By default every byte is verified in a staging buffer before the state changes: a failed restore leaves
         the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into them (no extra copy or
-        state-sized buffer; the fast choice at start-up): still verified before this returns, a corrupt copy is
-        still replaced by the next one, but if no copy verifies, those tensors are left partly overwritten.
+        state-sized buffer; the lean choice at start-up): still verified before this returns, a corrupt copy is
+        still replaced by the next one, but if no copy verifies, those tensors are left partly overwritten. The
+        default restore reads files that are not in the page cache around it (``direct_io``), which on a disk
+        where that pays can make it the faster one cold (docs/benchmarks.md).
         """
         self._check_open()
         if not isinstance(in_place, bool):

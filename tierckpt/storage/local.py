@@ -47,8 +47,7 @@ log = logging.getLogger(__name__)
 _RENAME_EXCHANGE = 2
 #: Buffer address, length and file offset alignment for ``O_DIRECT`` (covers 512-byte and 4 KiB sector devices).
 DIRECT_ALIGN = 4096
-#: Files smaller than this are written through the page cache (manifests, small states); reads shorter than this
-#: are buffered.
+#: Files smaller than this are written through the page cache (manifests, small states).
 DIRECT_MIN_BYTES = 1 << 20
 #: A read range goes direct when fewer than this share of its pages are in the page cache.
 DIRECT_READ_MAX_CACHED = 0.5
