@@ -67,6 +67,20 @@ def save_once(root: Path, state: dict[str, Any], step: int) -> Path:
     return root
 
 
+def direct_io_supported(folder: Path) -> bool:
+    """Whether the file system under ``folder`` accepts ``O_DIRECT`` (tests that check a direct path assert it only
+    there)."""
+    from tierckpt.storage.local import open_direct
+
+    try:
+        fd, direct = open_direct(str(folder / ".probe"), os.O_WRONLY | os.O_CREAT)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / ".probe")
+    return direct
+
+
 def step_path(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:010d}"
 

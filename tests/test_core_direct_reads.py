@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, data_files, step_path
+from helpers_core import assert_tensor_equal, data_files, direct_io_supported, step_path
 
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.snapshot.staging import aligned_empty
@@ -46,16 +46,6 @@ def _evict(path: Path) -> None:
         os.close(fd)
     if _share(path) > 0:
         pytest.skip("the page cache kept the file's pages")
-
-
-def _direct_supported(folder: Path) -> bool:
-    try:
-        fd, direct = local_mod.open_direct(str(folder / ".probe"), os.O_WRONLY | os.O_CREAT)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(folder / ".probe")
-    return direct
 
 
 def _file(tmp_path: Path, size: int, name: str = "f.bin") -> tuple[Path, bytes]:
@@ -94,7 +84,7 @@ def test_an_uncached_range_is_read_direct_and_stays_out_of_the_cache(tmp_path: P
     assert store.readinto_direct("f.bin", 0, view) == size
     assert bytes(view) == data
     head = size - size % DIRECT_ALIGN
-    if _direct_supported(tmp_path):
+    if direct_io_supported(tmp_path):
         assert store.direct_reads
         assert _share(path, head) == 0.0  # a buffered read would have left every page of it cached
         assert store.uncached("f.bin", 0, size)
@@ -176,7 +166,7 @@ def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Pat
         assert mgr.restore(out) == 1
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
-    if _direct_supported(tmp_path):
+    if direct_io_supported(tmp_path):
         big = max(files, key=lambda f: f.stat().st_size)
         size = big.stat().st_size
         assert _share(big, size - size % DIRECT_ALIGN) < 0.5  # read around the cache, not through it

@@ -10,13 +10,20 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, data_files, flip_byte, step_path, tensor_bytes, train_steps
+from helpers_core import (
+    assert_tensor_equal,
+    data_files,
+    direct_io_supported,
+    flip_byte,
+    step_path,
+    tensor_bytes,
+    train_steps,
+)
 
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt.snapshot.staging import aligned_empty
@@ -27,16 +34,6 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # --------------------------------------------------------------------------------------------------- direct writes
-
-
-def _direct_supported(folder: Path) -> bool:
-    try:
-        fd, direct = local_mod.open_direct(str(folder / ".probe"), os.O_WRONLY | os.O_CREAT)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(folder / ".probe")
-    return direct
 
 
 def test_direct_write_stream_mixes_aligned_and_unaligned_pieces(tmp_path: Path) -> None:
@@ -55,7 +52,7 @@ def test_direct_write_stream_mixes_aligned_and_unaligned_pieces(tmp_path: Path) 
     w.write(b"tail as bytes")
     w.close()
     assert (tmp_path / "f.bin").read_bytes() == expected
-    if _direct_supported(tmp_path):
+    if direct_io_supported(tmp_path):
         assert opened_direct and still_direct and not after_tail
     else:
         assert not opened_direct

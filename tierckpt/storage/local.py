@@ -272,15 +272,11 @@ class LocalStore(Store):
         head = buf.nbytes - buf.nbytes % DIRECT_ALIGN
         if not (self.direct_io and head and direct_ok(buf[:head], offset)):
             return self.readinto(rel, offset, buf)
-        path = self.path(rel)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this file system
-                raise
-            return self.readinto(rel, offset, buf)
+        fd, direct = open_direct(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         n = 0
         try:
+            if not direct:  # this file system does not do O_DIRECT
+                return preadv_into(fd, offset, [buf])
             while n < head:
                 got = os.preadv(fd, [buf[n:head]], offset + n)
                 n += got
