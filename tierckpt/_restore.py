@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 from collections.abc import MutableMapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from .snapshot.load import plan_restore
 from .snapshot.loaded import LoadedBuffer, byte_view, tensor_view_factory
 from .storage.base import Store, join
 from .storage.commit import protocol_for
+from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from .tiers.reader import PendingLoad, Prefetch, read_ranks, read_step, start_load
 from .tiers.verify import list_root
 
@@ -136,8 +138,11 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     # the plan's targets first; while it is made, the store is asked to prefetch (0.5 GiB of 10,000 tensors, cold,
     # in place: 0.76 -> 0.57 s). Staged reads do not prefetch: with them it measured a loss, cold and warm (0.5 GiB,
     # cold: 0.70 -> 0.77 s at 10,000 tensors, 0.47 -> 0.59 s at 100), perhaps the page cache's new pages competing
-    # with the first touch of the staging buffer's (not confirmed).
-    prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads, budget=None if direct_reads else 0)
+    # with the first touch of the staging buffer's (not confirmed). Nor do stores that read around the page cache
+    # (``direct_reads``): a prefetch would fill the cache the reads then take the slower buffered way from (2 GiB
+    # in place, cold, 8 interleaved: 1.12 s with it, 1.11 s without; a test saw a whole file go buffered).
+    prefetch_budget = None if direct_reads and not store.direct_reads else 0
+    prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads, budget=prefetch_budget)
     holder: dict[str, Any] = {}
 
     def alloc(n: int) -> memoryview:
@@ -178,7 +183,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             # the plan matched each target's dtype and shape to its record: the record's size is the tensor's
             recs = rm.tensors
             scatter = {i: byte_view(t) for i, t in direct.items() if recs[i].nbytes >= DIRECT_READ_MIN_BYTES}
-            pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter)
+            pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter,
+                                 bounce=_bounce_buffers(mgr, rm) if scatter and store.direct_reads else None)
         views, offsets = pending.result()
     except BaseException:
         if pending is not None:
@@ -230,6 +236,17 @@ def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded
     with torch.no_grad():
         for i, t in small.items():
             t.copy_(views(i))
+
+
+def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest) -> BounceBuffers:
+    """The manager's bounce buffers for in-place direct reads (``BOUNCE_PER_THREAD`` per io thread, so every reader
+    has one to read into while one is copied out), no larger than this rank's largest file needs; reused by later
+    restores, replaced only by one whose files need larger ones. They take memory only once a read uses them."""
+    page = mmap.PAGESIZE
+    need = min(BOUNCE_SIZE, -(-max((f.size for f in rm.files), default=1) // page) * page)
+    if mgr._bounce is None or mgr._bounce.size < need:
+        mgr._bounce = BounceBuffers(BOUNCE_PER_THREAD * mgr.options.writer_threads, need)
+    return mgr._bounce
 
 
 def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views: tuple[memoryview, ...]) -> None:

@@ -42,6 +42,7 @@ from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
 from .tiers import writer
+from .tiers.bounce import BounceBuffers
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,10 @@ class CheckpointManager:
             before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
             by hand.
         direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
-            go from the staging buffer to the disk without a copy through the page cache. A restore's reads into
-            the staging buffer go direct too where the file is not in the page cache (a cached file, as after a
-            buffered read of it, is read from memory). False: everything through the page cache.
+            go from the staging buffer to the disk without a copy through the page cache. A restore reads a file
+            that is not in the page cache direct too: into the staging buffer, or, in place, through a few bounce
+            buffers (a cached file, as after a buffered read of it, is read from memory). False: everything
+            through the page cache.
         overlap_writes: start writing each file while the rest of a host state is still being copied (durable
             sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
             copy not built) only when the process has a core for each copy thread and each writer, because on
@@ -161,6 +163,7 @@ class CheckpointManager:
         cuda = torch.cuda.is_available()
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin)
+        self._bounce: BounceBuffers | None = None  # in-place restores' direct reads (made by the first: _restore)
         overlap = self.options.overlap_writes
         self._overlap = copier.overlap_pays(self.options.writer_threads) if overlap is None else overlap
         self._copy_stream = torch.cuda.Stream() if cuda else None
@@ -441,9 +444,9 @@ class CheckpointManager:
         By default every byte is verified in a staging buffer before the state changes: a failed restore leaves
         the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into them (no extra copy or
         state-sized buffer; the lean choice at start-up): still verified before this returns, a corrupt copy is
-        still replaced by the next one, but if no copy verifies, those tensors are left partly overwritten. The
-        default restore reads files that are not in the page cache around it (``direct_io``), which on a disk
-        where that pays can make it the faster one cold (docs/benchmarks.md).
+        still replaced by the next one, but if no copy verifies, those tensors are left partly overwritten. Both
+        read files that are not in the page cache around it (``direct_io``); in place is the faster one cold on
+        the benchmark host (docs/benchmarks.md).
         """
         self._check_open()
         if not isinstance(in_place, bool):
@@ -538,6 +541,7 @@ class CheckpointManager:
             self._io.shutdown(wait=True)
             self._hash.shutdown(wait=True)
             self._pool.close()
+            self._bounce = None  # its buffers are unmapped with it
             self._preemption.uninstall()
             if self._coord is not None:
                 self._coord.destroy()

@@ -6,13 +6,14 @@ Invariants:
 - every byte that :func:`load_rank` hands back has been hashed and matched against the manifest; any mismatch raises
   :class:`CorruptCheckpointError` naming the step, tier, file and tensor, before the caller touches its state;
 - all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder;
-- ``direct`` reads (restore with ``in_place=True``) scatter a file straight into the caller's tensors with vectored
-  reads (``preadv``) on stores with a local path; those bytes are hashed where they land and a mismatch still raises,
-  but only after they were written there (buffered: the caller's tensors are not aligned the way ``O_DIRECT`` needs,
-  and reading through a bounce buffer measured slower). Other stores read into the buffer, verify, then copy;
-- on a ``direct_reads`` store, a file read whole into the (page-aligned) buffer that is mostly not in the page
-  cache is read around it (:meth:`Store.readinto_direct`), so a restore after a restart neither fills the page cache
-  nor pays for its copy; a cached file is read from memory;
+- ``direct`` reads (restore with ``in_place=True``) put a file's bytes straight into the caller's tensors on stores
+  with a local path; those bytes are hashed where they land and a mismatch still raises, but only after they were
+  written there. Other stores read into the buffer, verify, then copy;
+- on a ``direct_reads`` store, a file that is mostly not in the page cache (asked once per file) is read around it
+  (:meth:`Store.readinto_direct`), so a restore after a restart neither fills the page cache nor pays for its copy:
+  a file read whole goes into the (page-aligned) buffer, a scattered one through :mod:`.bounce` buffers (the
+  caller's tensors are not aligned the way ``O_DIRECT`` needs), each copied out by the file's hashing task and
+  given back only after that; a cached file is read from memory (scattered with vectored ``preadv``);
 - :class:`Prefetch` only asks the store to start reading (a hint, never data we use): it neither allocates nor
   verifies anything, and a failing or missing file there only ends the prefetch;
 - with hashing threads, a file's reader hands each piece it read to its own hashing task and reads on; the file is
@@ -24,18 +25,21 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
+from itertools import accumulate
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
+from .bounce import BounceBuffers
 from .tasks import results, submit_all
 
 log = logging.getLogger(__name__)
@@ -248,28 +252,48 @@ def _batches(pieces: list[memoryview]) -> list[list[memoryview]]:
 
 class _Hashing:
     """Feeds one file's pieces, in order, to its hasher: on a thread of ``executor`` (so the reader goes on reading
-    while the last piece is hashed) or, without one, right away on the reader's thread."""
+    while the last piece is hashed) or, without one, right away on the reader's thread. A piece may come with a
+    ``copy`` to run first (the bytes it hashes are copied there from a bounce buffer) and a ``release`` that always
+    runs after (the bounce buffer goes back), even once an earlier piece failed: then nothing else is copied or
+    hashed, and :meth:`finish` raises that first error."""
 
     def __init__(self, seg: hashing.SegmentHasher, executor: Executor | None) -> None:
         self.seg = seg
-        self._queue: queue.SimpleQueue[list[memoryview] | None] | None = None
+        self._error: BaseException | None = None
+        self._queue: queue.SimpleQueue[_Item | None] | None = None
         self._task: Future[None] | None = None
         if executor is not None:
             self._queue = queue.SimpleQueue()
             self._task = executor.submit(self._drain)
 
+    def _run(self, item: _Item) -> None:
+        pieces, copy, release = item
+        try:
+            if self._error is None:
+                if copy is not None:
+                    copy()
+                for piece in pieces:
+                    self.seg.feed(piece)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            if release is not None:
+                release()
+
     def _drain(self) -> None:
         assert self._queue is not None
-        while (pieces := self._queue.get()) is not None:
-            for piece in pieces:
-                self.seg.feed(piece)
+        while (item := self._queue.get()) is not None:
+            self._run(item)
 
-    def feed(self, pieces: list[memoryview]) -> None:
+    def feed(self, pieces: list[memoryview], *, copy: Callable[[], None] | None = None,
+             release: Callable[[], None] | None = None) -> None:
+        item = (pieces, copy, release)
         if self._queue is None:
-            for piece in pieces:
-                self.seg.feed(piece)
+            self._run(item)
+            if self._error is not None:
+                raise self._error
         else:
-            self._queue.put(pieces)
+            self._queue.put(item)
 
     def finish(self) -> None:
         """Wait until every piece fed is hashed (also on error: the memory may be released right after)."""
@@ -277,16 +301,23 @@ class _Hashing:
             assert self._queue is not None
             self._queue.put(None)
             self._task.result()
+        if self._error is not None:
+            raise self._error
+
+
+_Item = tuple[list[memoryview], "Callable[[], None] | None", "Callable[[], None] | None"]
 
 
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
                    direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None,
-                   stop: threading.Event | None = None) -> None:
+                   stop: threading.Event | None = None, bounce: BounceBuffers | None = None) -> None:
     """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch.
 
     ``direct``: record index -> memory the tensor's bytes go to instead of ``out`` (see the module docstring).
     ``hash_executor``: hash on a thread there while this one reads on (else read and hash take turns).
     ``stop``: once set, the read ends before its next chunk with :class:`LoadCancelled`.
+    ``bounce``: buffers through which ``direct`` reads of a file not in the page cache go with ``O_DIRECT`` (on a
+    ``direct_reads`` store; see :mod:`.bounce`); without them such reads are buffered.
     """
     f = rm.files[index]
     rel = join(layout.step_dir(rm.step), f.name)
@@ -301,7 +332,7 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
     else:
         hasher = _Hashing(seg, hash_executor)
         try:
-            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher, stop)
+            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher, stop, bounce)
         finally:
             hasher.finish()
     if seg.file_checksum() != f.checksum:
@@ -317,10 +348,12 @@ class LoadCancelled(Exception):
 
 
 def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memoryview,
-                 scatter: dict[int, memoryview] | None, hasher: _Hashing, stop: threading.Event | None) -> None:
+                 scatter: dict[int, memoryview] | None, hasher: _Hashing, stop: threading.Event | None,
+                 bounce: BounceBuffers | None = None) -> None:
     """Read file ``index`` in order (vectored into ``scatter`` tensors and ``out``, or all into ``out``), handing
-    each piece read to ``hasher``; checks ``stop`` before every read. On a ``direct_reads`` store, a file read into
-    ``out`` that is mostly not in the page cache (asked once, before its first read) is read around the cache."""
+    each piece read to ``hasher``; checks ``stop`` before every read. On a ``direct_reads`` store, a file that is
+    mostly not in the page cache (asked once, before its first read) is read around the cache: straight into
+    ``out``, or, when it scatters, through ``bounce`` (if given)."""
     f = rm.files[index]
     pos = 0
 
@@ -329,7 +362,11 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             raise LoadCancelled(f"reading {f.name} of step {rm.step} was cancelled at byte {pos}")
 
     if scatter:
-        for batch in _batches(_pieces(rm, index, out, scatter)):
+        pieces = _pieces(rm, index, out, scatter)
+        if bounce is not None and store.direct_reads and store.uncached(rel, 0, f.size):
+            _read_bounced(store, rm, index, rel, pieces, bounce, hasher, check)
+            return
+        for batch in _batches(pieces):
             check()
             want = sum(b.nbytes for b in batch)
             n = store.readinto_many(rel, pos, batch)
@@ -348,6 +385,50 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
                                          path=f"{store.url}/{rel}", bad_files=[f.name])
         hasher.feed([out[pos : pos + n]])
         pos += n
+
+
+def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: list[memoryview],
+                  bounce: BounceBuffers, hasher: _Hashing, check: Callable[[], None]) -> None:
+    """Read file ``index`` with ``O_DIRECT`` into bounce buffers, one buffer a read; the file's hashing task copies
+    each buffer out into ``pieces`` (which tile the file in order), hashes the bytes where they landed and gives the
+    buffer back, while this thread reads on into the next one."""
+    f = rm.files[index]
+    starts = list(accumulate((p.nbytes for p in pieces), initial=0))  # piece j is bytes [starts[j], starts[j+1])
+    addrs = [ctypes.addressof(ctypes.c_char.from_buffer(p)) if p.nbytes else 0 for p in pieces]
+    pos, j = 0, 0
+    while pos < f.size:
+        check()
+        want = min(bounce.size, f.size - pos)
+        buf = bounce.acquire()
+        handed = False
+        try:
+            n = store.readinto_direct(rel, pos, buf[:want])
+            if n != want:
+                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
+                                             path=f"{store.url}/{rel}", bad_files=[f.name])
+            end = pos + n
+            src = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            moves: list[tuple[int, int, int]] = []
+            views: list[memoryview] = []
+            while j < len(pieces) and starts[j] < end:
+                a, b = max(starts[j], pos), min(starts[j + 1], end)
+                if b > a:
+                    moves.append((addrs[j] + a - starts[j], src + a - pos, b - a))
+                    views.append(pieces[j][a - starts[j] : b - starts[j]])
+                if starts[j + 1] > end:
+                    break  # this piece goes on in the next buffer
+                j += 1
+
+            def copy(moves: list[tuple[int, int, int]] = moves) -> None:
+                for dst, from_, size in moves:
+                    ctypes.memmove(dst, from_, size)  # a foreign call: the GIL is released meanwhile
+
+            hasher.feed(views, copy=copy, release=lambda buf=buf: bounce.release(buf))
+            handed = True
+        finally:
+            if not handed:
+                bounce.release(buf)
+        pos = end
 
 
 def load_rank(
@@ -373,12 +454,14 @@ def load_rank(
 def load_files(
     store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
     direct: dict[int, memoryview] | None = None, hash_executor: Executor | None = None,
+    bounce: BounceBuffers | None = None,
 ) -> tuple[tuple[memoryview, ...], tuple[int, ...]]:
     """Read and verify every data file of a rank into one buffer from ``alloc``; returns views and offsets.
 
     ``direct`` tensors' bytes go to their own memory instead (their ranges of the buffer are left unwritten).
     ``hash_executor``: at least as many threads as ``executor``; files are hashed there while they are read."""
-    return start_load(store, rm, alloc, executor=executor, direct=direct, hash_executor=hash_executor).result()
+    return start_load(store, rm, alloc, executor=executor, direct=direct, hash_executor=hash_executor,
+                      bounce=bounce).result()
 
 
 class PendingLoad:
@@ -410,6 +493,7 @@ class PendingLoad:
 def start_load(
     store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
     direct: dict[int, memoryview] | None = None, hash_executor: Executor | None = None,
+    bounce: BounceBuffers | None = None,
 ) -> PendingLoad:
     """:func:`load_files`, returning as soon as the sizes are checked, the buffer allocated and the reads queued."""
     check_sizes(store, rm)
@@ -422,5 +506,5 @@ def start_load(
     views = tuple(buf[o : o + f.size] for o, f in zip(offsets, rm.files))
     stop = threading.Event()
     futures = submit_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct, hash_executor=hash_executor,
-                                                            stop=stop), range(len(rm.files)))
+                                                            stop=stop, bounce=bounce), range(len(rm.files)))
     return PendingLoad(futures, views, tuple(offsets), stop)
