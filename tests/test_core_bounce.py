@@ -221,3 +221,32 @@ def test_bounce_buffers_are_bounded_and_hand_each_buffer_to_one_reader_at_a_time
     t.join(10)
     assert got and got[0] is a
     assert local_mod.buffer_address(a) % 4096 == 0 and local_mod.buffer_address(b) % 4096 == 0
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failing_copy_out_gives_each_buffer_back_exactly_once(tmp_path, monkeypatch, threaded):
+    """Whoever fails, the reader or the copy, a bounce buffer goes back once: twice would let two reads share it."""
+    _saved(tmp_path)
+    _evict_all(step_path(tmp_path, 1))
+    store = local_mod.LocalStore(tmp_path, create=False, direct_io=True)
+    _, (rm,) = reader.read_manifests(store, 1, ranks=[0])
+    targets = {t.index: torch.zeros(t.nbytes, dtype=torch.uint8) for t in rm.tensors if t.nbytes >= 1 << 20}
+    direct = {i: memoryview(t.numpy()) for i, t in targets.items()}
+    calls = {"n": 0}
+    real = reader.ctypes.memmove
+
+    def failing(dst: int, src: int, n: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("copy-out failed (injected)")
+        return real(dst, src, n)
+
+    monkeypatch.setattr(reader.ctypes, "memmove", failing)
+    bounce = BounceBuffers(2, SMALL)
+    buf = memoryview(bytearray(sum(f.size for f in rm.files) + 4096 * len(rm.files)))
+    with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(1) as hx, pytest.raises(RuntimeError, match="injected"):
+        reader.load_files(store, rm, lambda n: buf[:n], executor=io, direct=direct,
+                          hash_executor=hx if threaded else None, bounce=bounce)
+    assert bounce.free() == bounce.count
+    assert len({id(b) for b in bounce._free}) == bounce.count  # no buffer listed twice
+    assert len({local_mod.buffer_address(b) for b in bounce._free}) == bounce.count

@@ -423,8 +423,8 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
                 for dst, from_, size in moves:
                     ctypes.memmove(dst, from_, size)  # a foreign call: the GIL is released meanwhile
 
+            handed = True  # from here the hashing side gives the buffer back, whatever happens
             hasher.feed(views, copy=copy, release=lambda buf=buf: bounce.release(buf))
-            handed = True
         finally:
             if not handed:
                 bounce.release(buf)
