@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``in_place=True``: live tensors at least this large are read straight into (vectored reads, hashed where they
-#: land); smaller ones are read with the rest into the buffer and copied in once verified. Below it a scattered
-#: read costs more per tensor (its own I/O vector, hash call and byte view: about 7 us) than copying its bytes.
+#: ``in_place=True``: live tensors at least this large get their bytes straight from the file (copied out of the
+#: bounce buffers, or vectored reads from the page cache; hashed where they land); smaller ones are read with the
+#: rest into the buffer and copied in once verified. Below it a scattered read costs more per tensor (its own I/O
+#: vector or copy, hash call and byte view: about 7 us) than copying its bytes.
 DIRECT_READ_MIN_BYTES = 256 << 10
 
 
