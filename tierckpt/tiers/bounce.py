@@ -47,7 +47,11 @@ class BounceBuffers:
         self._cond = threading.Condition()
 
     def _allocate(self) -> None:
-        self._map = mmap.mmap(-1, self.count * self.size)  # anonymous: page-aligned
+        # private anonymous memory, page-aligned. Python's default for an anonymous map is shared (shmem), whose
+        # pages came out in descending physical order in one process here: each 4 KiB page its own DMA segment,
+        # reads split at the disk's segment limit (0.5 GiB of 10,000 tensors in place: 0.56 s, against 0.34 s with
+        # private memory and 0.33 s buffered)
+        self._map = mmap.mmap(-1, self.count * self.size, flags=mmap.MAP_PRIVATE)
         whole = memoryview(self._map)
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(whole)), 0, len(whole))  # fault in, one thread
         self._free = [whole[i * self.size : (i + 1) * self.size] for i in range(self.count)]
