@@ -22,6 +22,8 @@ import ctypes
 import mmap
 import threading
 
+from ..storage.local import buffer_address
+
 #: Bytes per buffer: one direct read (the virtual disk of the reference VM splits requests at 4 MiB, so several are
 #: in flight per read).
 BOUNCE_SIZE = 16 << 20
@@ -53,7 +55,7 @@ class BounceBuffers:
         # private memory and 0.33 s buffered)
         self._map = mmap.mmap(-1, self.count * self.size, flags=mmap.MAP_PRIVATE)
         whole = memoryview(self._map)
-        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(whole)), 0, len(whole))  # fault in, one thread
+        ctypes.memset(buffer_address(whole), 0, len(whole))  # fault in, on one thread
         self._free = [whole[i * self.size : (i + 1) * self.size] for i in range(self.count)]
 
     def acquire(self) -> memoryview:

@@ -39,6 +39,7 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
+from ..storage.local import buffer_address
 from .bounce import BounceBuffers
 from .tasks import results, submit_all
 
@@ -394,7 +395,7 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
     buffer back, while this thread reads on into the next one."""
     f = rm.files[index]
     starts = list(accumulate((p.nbytes for p in pieces), initial=0))  # piece j is bytes [starts[j], starts[j+1])
-    addrs = [ctypes.addressof(ctypes.c_char.from_buffer(p)) if p.nbytes else 0 for p in pieces]
+    addrs = [buffer_address(p) or 0 for p in pieces]  # 0: an empty piece, never copied to
     pos, j = 0, 0
     while pos < f.size:
         check()
@@ -407,7 +408,8 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
                 raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
                                              path=f"{store.url}/{rel}", bad_files=[f.name])
             end = pos + n
-            src = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            src = buffer_address(buf)
+            assert src is not None  # a bounce buffer: writable and never empty
             moves: list[tuple[int, int, int]] = []
             views: list[memoryview] = []
             while j < len(pieces) and starts[j] < end:
