@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .cli import EXIT_BAD, EXIT_OK, EXIT_USAGE, _open_root, _progress, _say, _storage_options, _Usage
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import hashing, layout
 from .format.manifest import FileRecord, RankManifest, RankRef, StepManifest
+from .storage import folder_lock
 from .storage.base import Store, join
 from .storage.open import is_url, open_store
 
@@ -144,15 +143,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------------ pull
 def _lock_local(root: str) -> int:
     """Take the rank-0 lock of a local tier root, as a manager would; ``_Usage`` if a live manager holds it."""
-    path = os.path.join(root, layout.lock_name(0))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        return folder_lock.acquire(root, 0)
+    except CheckpointLockedError:
         raise _Usage(f"{root} is in use (a running CheckpointManager or pull holds its lock); "
                      "stop it or pull elsewhere") from None
-    return fd
 
 
 def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, staging: str,
@@ -303,8 +298,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         if bar:
             bar.close()
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        folder_lock.release(fd)
         remote.close()
     where = _url(local, layout.step_dir(step))
     if args.json:

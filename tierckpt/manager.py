@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import queue
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from . import _gc, _replication, _restore, _sharded, faults
-from .errors import CheckpointError, CheckpointLockedError
+from .errors import CheckpointError
 from .format import layout
 from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
@@ -38,6 +37,7 @@ from .options import Options, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .snapshot import capture, copier, staging, tree
 from .status import StepInfo, list_steps
+from .storage import folder_lock
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
@@ -143,7 +143,7 @@ class CheckpointManager:
             from .distributed import Coordinator
 
             self._coord = Coordinator(self.local.root, timeout_s=self.options.collective_timeout_s)
-        self._lock_fd = self._lock()
+        self._lock_fd = folder_lock.acquire(self.local.root, self.rank)
         self.remote = None
         try:
             if self._coord is None:
@@ -499,24 +499,10 @@ class CheckpointManager:
             log.warning("tier local: cannot append to %s: %s", layout.RECORDS_FILE, exc)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
-    def _lock(self) -> int:
-        path = os.path.join(self.local.root, layout.lock_name(self.rank))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise CheckpointLockedError(
-                f"another CheckpointManager (rank {self.rank}) is using this folder", tier="local", path=path) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        return fd
-
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            fd, self._lock_fd = self._lock_fd, -1
+            folder_lock.release(fd)
 
     def _check_open(self) -> None:
         if self._closed:
