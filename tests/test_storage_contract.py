@@ -182,6 +182,25 @@ def test_capabilities(store):
 
 
 
+def test_read_ahead_over_the_store_reads_every_byte_in_order(store):
+    """A store's ``readinto`` from several threads at once (what ``read_concurrency`` > 1 promises), through the
+    read-ahead every reader uses; stores that say 1 are read one chunk at a time on the caller's thread."""
+    from functools import partial
+
+    from tierckpt.storage.readahead import ReadAhead
+
+    assert isinstance(store.read_concurrency, int) and store.read_concurrency >= 1
+    data = bytes(range(251)) * 997  # 250,247 bytes: chunks that do not divide it
+    store.write_bytes("ra", data)
+    for window in {1, store.read_concurrency, 6}:
+        out = memoryview(bytearray(len(data)))
+        with ReadAhead(partial(store.readinto, "ra"), 0, len(data), chunk=10_000, window=window, into=out) as chunks:
+            offsets = [pos for pos, _ in chunks]
+        assert offsets == list(range(0, len(data), 10_000)) and bytes(out) == data, window
+        with ReadAhead(partial(store.readinto, "ra"), 0, len(data) + 5000, chunk=7000, window=window) as chunks:
+            assert b"".join(bytes(v) for _, v in chunks) == data  # a file shorter than asked ends early
+
+
 def test_prefetch_is_only_a_hint(store):
     data = bytes(range(256)) * 64
     store.write_bytes("p", data)

@@ -11,6 +11,9 @@ on those flags, never on the store's type:
 - ``prefetch_reads``: :meth:`Store.prefetch` really starts reading (the OS page cache); elsewhere it is a no-op.
 - ``direct_reads``: :meth:`Store.readinto_direct` of a page-aligned buffer reads around the OS page cache
   (``O_DIRECT``), and :meth:`Store.uncached` tells which ranges are not cached: readers read those direct.
+- ``read_concurrency``: how many ranged reads of one file a reader keeps in flight (:mod:`.readahead`). 1 reads a
+  file chunk after chunk (a local disk, whose kernel reads ahead by itself); an object store, where every read is a
+  request with a round trip, says more. :meth:`Store.readinto` must then be safe to call from several threads at once.
 
 Writing a step (see :mod:`.commit` for the exact order): ``makedirs`` → per data file ``open_write`` / ``write`` /
 ``close`` → ``write_bytes`` of each rank manifest → ``write_bytes`` of ``manifest.json`` → commit protocol.
@@ -74,6 +77,7 @@ class Store(abc.ABC):
     parallel_writes: bool = True
     prefetch_reads: bool = False
     direct_reads: bool = False
+    read_concurrency: int = 1
 
     # --- listing and reading -------------------------------------------------------------------------------
     @abc.abstractmethod

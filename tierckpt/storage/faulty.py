@@ -150,7 +150,8 @@ class FaultyStore(Store):
     """A :class:`Store` that delegates to ``inner`` after applying a :class:`FaultPlan` (see the module docstring).
 
     Capabilities are ``inner``'s, except ``local_path`` (None unless ``keep_local_path``), so that callers never
-    bypass the faults with OS calls. ``plan.calls`` counts the calls per operation.
+    bypass the faults with OS calls, and ``read_concurrency`` (1 unless given: concurrent reads would make which
+    chunk is "the n-th ``readinto``" a race). ``plan.calls`` counts the calls per operation.
     """
 
     def __init__(
@@ -165,8 +166,10 @@ class FaultyStore(Store):
         short_writes: bool = False,
         error_factory: ErrorFactory = default_error,
         keep_local_path: bool = False,
+        read_concurrency: int = 1,
     ) -> None:
         self.inner = inner
+        self.read_concurrency = read_concurrency
         self.plan = FaultPlan(
             fail=fail,
             fail_fraction=fail_fraction,

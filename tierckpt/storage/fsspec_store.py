@@ -12,7 +12,9 @@ Invariants and choices:
   completion); ``abort()`` discards the upload (``discard()`` aborts an S3 multipart upload) and removes whatever
   became visible, so an aborted file never lingers under its name.
 - Reads are stateless ranged reads (``cat_file(path, start=, end=)``), so any number of threads may read the same
-  file at once (fsspec's ``memory://`` hands every opener the same file object, which is not thread-safe).
+  file at once (fsspec's ``memory://`` hands every opener the same file object, which is not thread-safe). Readers
+  keep ``read_concurrency`` of them in flight per file (:mod:`.readahead`; default
+  :data:`DEFAULT_READ_CONCURRENCY`), because each is a request that waits a round trip before its first byte.
 - Listings are never served from a cache (``use_listings_cache=False``, a fresh filesystem instance per store, and
   invalidation after every write), so a commit made by another process is seen at once.
 - Messages and logs show :attr:`FsspecStore.url` only: the URL without any ``user:password@`` part, and never the
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 #: Bytes buffered per part of a streamed upload. S3 wants >= 5 MiB per part (except the last) and at most 10,000
 #: parts, so 16 MiB allows objects up to ~156 GiB; raise it for bigger files.
 DEFAULT_PART_SIZE = 16 << 20
+#: Ranged reads of one file kept in flight by a reader (``read_concurrency``): each ranged GET waits a round trip
+#: before its first byte and one connection rarely gets a node's bandwidth. 8 x 8 MiB chunks: 64 MiB in flight a file.
+DEFAULT_READ_CONCURRENCY = 8
 #: Seconds one request may take (connect + read) where the backend lets us set it (s3fs).
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 
@@ -177,15 +182,21 @@ class FsspecStore(Store):
         fs: Any = None,
         part_size: int = DEFAULT_PART_SIZE,
         request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+        read_concurrency: int = DEFAULT_READ_CONCURRENCY,
     ) -> None:
         """Open ``url`` (e.g. ``s3://bucket/prefix``). ``storage_options`` go to the backend (credentials, endpoint);
         ``fs`` supplies a ready filesystem instead (tests wrap one in a fault injector), ``url`` then only names the
-        root. ``request_timeout_s`` bounds each request where the backend supports it (s3fs: connect and read)."""
+        root. ``request_timeout_s`` bounds each request where the backend supports it (s3fs: connect and read).
+        ``read_concurrency``: ranged reads of one file in flight at once (see the module docstring)."""
         self.tier = tier
         self.url = redact_url(url).rstrip("/")
         self.part_size = int(part_size)
         if self.part_size <= 0:
             raise CheckpointError(f"part_size must be positive, got {part_size}", tier=tier, path=self.url)
+        if isinstance(read_concurrency, bool) or not isinstance(read_concurrency, int) or read_concurrency < 1:
+            raise CheckpointError(f"read_concurrency must be a positive int, got {read_concurrency!r}", tier=tier,
+                                  path=self.url)
+        self.read_concurrency = read_concurrency
         scheme = _scheme(url)
         if fs is None:
             fs, root = self._connect(url, scheme, dict(storage_options or {}), request_timeout_s)

@@ -21,9 +21,11 @@ def open_store(
     tier: str = "remote",
     create: bool = True,
     part_size: int | None = None,
+    read_concurrency: int | None = None,
 ) -> Store:
     """A plain path or ``file://`` URL opens a :class:`LocalStore` (fsync, atomic rename); any other URL goes through
-    fsspec, whose backend package is imported only then."""
+    fsspec, whose backend package is imported only then. ``part_size`` and ``read_concurrency`` (None: the
+    defaults) apply to fsspec stores only."""
     s = os.fspath(target)
     if not s:
         raise CheckpointError("empty path or URL", tier=tier)
@@ -34,6 +36,9 @@ def open_store(
         return LocalStore(path, tier=tier, create=create)
     from .fsspec_store import FsspecStore
 
-    if part_size is None:
-        return FsspecStore(s, storage_options=storage_options, tier=tier)
-    return FsspecStore(s, storage_options=storage_options, tier=tier, part_size=part_size)
+    kwargs: dict[str, Any] = {}
+    if part_size is not None:
+        kwargs["part_size"] = part_size
+    if read_concurrency is not None:
+        kwargs["read_concurrency"] = read_concurrency
+    return FsspecStore(s, storage_options=storage_options, tier=tier, **kwargs)
