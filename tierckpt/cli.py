@@ -46,17 +46,19 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
     return out
 
 
-def _open_root(target: str, opts: dict[str, Any] | None) -> tuple[Store, int | None]:
+def _open_root(target: str, opts: dict[str, Any] | None,
+               read_concurrency: int | None = None) -> tuple[Store, int | None]:
     """The tier root and, when ``target`` is a single step's folder, that step."""
     stripped = target.rstrip("/")
     base = stripped.rsplit("/", 1)[-1]
     step = layout.parse_step_dir(base)
     if step is not None:
         parent = stripped[: -len(base)].rstrip("/") or "/"
-        return open_store(parent, storage_options=opts, tier="cli", create=False), step
+        return open_store(parent, storage_options=opts, tier="cli", create=False,
+                          read_concurrency=read_concurrency), step
     if not is_url(target) and not os.path.isdir(target.removeprefix("file://")):
         raise FileNotFoundError(target)
-    return open_store(target, storage_options=opts, tier="cli", create=False), None
+    return open_store(target, storage_options=opts, tier="cli", create=False, read_concurrency=read_concurrency), None
 
 
 def _progress(total: int, enabled: bool, desc: str):
@@ -114,7 +116,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from .tiers.verify import list_root, verify_step
 
-    store, only = _open_root(args.root, _storage_options(args.storage_option))
+    for name in ("threads", "read_concurrency"):
+        if getattr(args, name) < 1:
+            raise _Usage(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    store, only = _open_root(args.root, _storage_options(args.storage_option), args.read_concurrency)
     if args.step is not None:
         only = args.step
     listing = list_root(store)
@@ -135,7 +140,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bar = _progress(0, sys.stderr.isatty() and not args.json, "verify")
     reports = []
     for step in steps:
-        report = verify_step(store, step, progress=(lambda n: bar.update(n)) if bar else None)
+        report = verify_step(store, step, threads=args.threads, progress=(lambda n: bar.update(n)) if bar else None)
         reports.append(report)
         if not args.json:
             status = "OK" if report.ok else "CORRUPT"
@@ -215,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("verify", help="re-hash every file of every committed step against its manifest")
     sp.add_argument("root", help="tier root, a single step folder, or a URL")
     sp.add_argument("--step", type=int)
+    sp.add_argument("--threads", type=int, default=4, help="files verified at once (default 4)")
+    sp.add_argument("--read-concurrency", type=int, default=8, metavar="N",
+                    help="URLs: ranged reads of one file in flight (default 8; each holds an 8 MiB buffer)")
     common(sp)
     sp.set_defaults(fn=cmd_verify)
     sp = sub.add_parser("inspect", help="print a step's tensors and metadata")

@@ -32,6 +32,7 @@ import logging
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from .cli import EXIT_BAD, EXIT_OK, EXIT_USAGE, _open_root, _progress, _say, _storage_options, _Usage
@@ -41,6 +42,7 @@ from .format.manifest import FileRecord, RankManifest, RankRef, StepManifest
 from .storage import folder_lock
 from .storage.base import Store, join
 from .storage.open import is_url, open_store
+from .storage.readahead import ReadAhead
 
 log = logging.getLogger(__name__)
 
@@ -174,24 +176,19 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
     got = 0
     w = local.open_write(join(staging, rec.name), size_hint=rec.size)
     try:
-        with remote.open_read(src) as f:
-            reader: Any = f
-            if zstd_error:
-                reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=_CHUNK, read_across_frames=False)
-            try:
-                while True:
-                    data = reader.read(min(_CHUNK, rec.size - got + 1))
-                    if not data:
-                        break
-                    got += len(data)
-                    if got > rec.size:
-                        raise corrupt(f"holds more than its {rec.size} bytes")
-                    seg.feed(data)
-                    w.write(data)
+        if not zstd_error:  # the remote's ranged reads kept in flight, handed over in order
+            with ReadAhead(partial(remote.readinto, src), 0, rec.size, chunk=_CHUNK,
+                           window=remote.read_concurrency) as chunks:
+                for _, view in chunks:
+                    got += len(view)
+                    seg.feed(view)
+                    w.write(view)
                     if progress is not None:
-                        progress(len(data))
-            except zstd_error as exc:
-                raise corrupt(f"damaged zstd stream: {exc}") from None
+                        progress(len(view))
+            if got == rec.size and remote.readinto(src, rec.size, memoryview(bytearray(1))):
+                raise corrupt(f"holds more than its {rec.size} bytes")
+        else:
+            got = _pull_stream(remote, src, rec, seg, w, zstd_error, corrupt, progress)
         if got != rec.size:
             raise corrupt(f"holds {got} bytes, the manifest says {rec.size}")
         if seg.file_checksum() != rec.checksum:
@@ -201,6 +198,32 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
         w.abort()
         raise
     return dataclasses.replace(rec, compression=None, stored_size=None)
+
+
+def _pull_stream(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentHasher, w: Any,
+                 zstd_error: tuple[type[BaseException], ...], corrupt: Callable[[str], CorruptCheckpointError],
+                 progress: Callable[[int], Any] | None) -> int:
+    """A zstd-compressed remote file, decompressed, hashed and written as it streams in; returns its bytes."""
+    import zstandard
+
+    got = 0
+    with remote.open_read(src) as f:
+        reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=_CHUNK, read_across_frames=False)
+        try:
+            while True:
+                data = reader.read(min(_CHUNK, rec.size - got + 1))
+                if not data:
+                    break
+                got += len(data)
+                if got > rec.size:
+                    raise corrupt(f"holds more than its {rec.size} bytes")
+                seg.feed(data)
+                w.write(data)
+                if progress is not None:
+                    progress(len(data))
+        except zstd_error as exc:
+            raise corrupt(f"damaged zstd stream: {exc}") from None
+    return got
 
 
 def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
@@ -258,7 +281,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         raise _Usage(f"LOCAL must be a local folder, got the URL {args.local!r}")
     if args.threads < 1:
         raise _Usage("--threads must be >= 1")
-    remote, only = _open_root(args.remote, _storage_options(args.storage_option))
+    if args.read_concurrency < 1:
+        raise _Usage("--read-concurrency must be >= 1")
+    remote, only = _open_root(args.remote, _storage_options(args.storage_option), args.read_concurrency)
     remote.tier = "remote"
     step = args.step if args.step is not None else only
     if step is None:
@@ -437,6 +462,8 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("local", help="local tier root (created if missing)")
     sp.add_argument("--step", type=int, help="the step to pull")
     sp.add_argument("--threads", type=int, default=4, help="files downloaded in parallel (default 4)")
+    sp.add_argument("--read-concurrency", type=int, default=8, metavar="N",
+                    help="URLs: ranged reads of one file in flight (default 8; each holds an 8 MiB buffer)")
     sp.add_argument("--force", action="store_true",
                     help="replace a local copy of the step that comes from another save")
     common(sp)

@@ -71,6 +71,8 @@ class CheckpointManager:
         file_size_mb: target size of one data file; large states are split so files write/read in parallel.
         upload_threads / upload_bandwidth_mbps / upload_deadline_s / upload_part_mb / remote_compression /
             verify_uploads: the remote tier's uploader.
+        remote_read_concurrency: ranged reads of one file kept in flight when reading from an object store
+            (a restore, a verification): each is a request that waits a round trip before its first byte.
         cache_remote_restores: copy a step restored from the remote tier into the local tier (single-rank jobs).
         collective_timeout_s: multi-rank jobs: how long a rank waits for the others to agree on a commit.
         pin_memory: pin staging buffers (default: when CUDA is available).
@@ -109,6 +111,7 @@ class CheckpointManager:
         upload_part_mb: int = 64,
         remote_compression: str | None = None,
         verify_uploads: bool = False,
+        remote_read_concurrency: int = 8,
         cache_remote_restores: bool = False,
         pin_memory: bool | None = None,
         log_records: bool = True,
@@ -126,7 +129,7 @@ class CheckpointManager:
             staging_buffers=staging_buffers, file_size_mb=file_size_mb, upload_threads=upload_threads,
             upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
-            cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
+            remote_read_concurrency=remote_read_concurrency, cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
             collective_timeout_s=collective_timeout_s, lazy_snapshot=lazy_snapshot,
             direct_io=direct_io, overlap_writes=overlap_writes,
         )
@@ -156,7 +159,8 @@ class CheckpointManager:
                 # ours, so another writer's upload in progress must not be mistaken for a leftover. Leftovers there
                 # are never checkpoints; `tierckpt prune` removes them.
                 self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote",
-                                         part_size=self.options.upload_part_mb << 20)
+                                         part_size=self.options.upload_part_mb << 20,
+                                         read_concurrency=self.options.remote_read_concurrency)
         except BaseException:
             self._unlock()
             raise

@@ -20,6 +20,7 @@ class Options:
     upload_part_mb: int = 64
     remote_compression: str | None = None
     verify_uploads: bool = False
+    remote_read_concurrency: int = 8
     cache_remote_restores: bool = False
     pin_memory: bool | None = None
     log_records: bool = True
@@ -44,6 +45,7 @@ class Options:
         pos_int("file_size_mb")
         pos_int("upload_threads")
         pos_int("upload_part_mb")
+        pos_int("remote_read_concurrency")
         if self.upload_part_mb < 5:
             raise ValueError(f"upload_part_mb must be >= 5 (the S3 multipart minimum), got {self.upload_part_mb!r}")
         for name in ("upload_bandwidth_mbps", "upload_deadline_s", "collective_timeout_s"):

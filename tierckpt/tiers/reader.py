@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -40,6 +41,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.local import buffer_address
+from ..storage.readahead import ReadAhead
 from .bounce import BounceBuffers
 from .tasks import results, submit_all
 
@@ -378,14 +380,15 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             pos += n
         return
     read = store.readinto_direct if store.direct_reads and store.uncached(rel, 0, f.size) else store.readinto
-    while pos < f.size:
-        check()
-        n = read(rel, pos, out[pos : pos + READ_CHUNK])
-        if n <= 0:
-            raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
-                                         path=f"{store.url}/{rel}", bad_files=[f.name])
-        hasher.feed([out[pos : pos + n]])
-        pos += n
+    # one chunk at a time on a local disk; ``read_concurrency`` ranged reads in flight on an object store
+    with ReadAhead(partial(read, rel), 0, f.size, chunk=READ_CHUNK, window=store.read_concurrency,
+                   into=out[: f.size], check=check) as chunks:
+        for _, view in chunks:
+            hasher.feed([view])
+            pos += len(view)
+    if pos < f.size:
+        raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
+                                     path=f"{store.url}/{rel}", bad_files=[f.name])
 
 
 def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: list[memoryview],

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .. import faults
@@ -39,6 +40,7 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, RankRef, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for, read_step_manifest
+from ..storage.readahead import ReadAhead
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy, is_transient
 from .reader import check_sizes, read_manifests, segment_ends
 
@@ -511,11 +513,12 @@ def fetch_file(store: Store, folder: str, record: FileRecord, out: memoryview, *
 
     if record.compression is None:
         pos = 0
-        while pos < record.size:
-            n = store.readinto(rel, pos, view[pos : pos + chunk])
-            if n <= 0:
-                raise corrupt(f"ends early at byte {pos} of {record.size}")
-            pos += n
+        with ReadAhead(partial(store.readinto, rel), 0, record.size, chunk=chunk, window=store.read_concurrency,
+                       into=view) as chunks:
+            for _, got in chunks:
+                pos += len(got)
+        if pos < record.size:
+            raise corrupt(f"ends early at byte {pos} of {record.size}")
         if store.readinto(rel, record.size, memoryview(bytearray(1))):
             raise corrupt(f"longer than its {record.size} bytes")
         return

@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import hashing, layout
 from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
-from .reader import READ_CHUNK, mismatch_error, read_manifests, segment_ends
+from ..storage.readahead import ReadAhead
+from . import reader
+from .reader import mismatch_error, read_manifests, segment_ends
 
 
 @dataclass
@@ -75,17 +78,18 @@ def verify_file(store: Store, rm: RankManifest, index: int, progress: Callable[[
         return
     rel = join(layout.step_dir(rm.step), f.name)
     seg = hashing.SegmentHasher(segment_ends(rm, index))
-    buf = memoryview(bytearray(min(READ_CHUNK, max(f.size, 1))))
     pos = 0
-    while pos < f.size:
-        n = store.readinto(rel, pos, buf[: min(len(buf), f.size - pos)])
-        if n <= 0:
-            raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
-                                         path=f"{store.url}/{rel}", bad_files=[f.name])
-        seg.feed(buf[:n])
-        pos += n
-        if progress:
-            progress(n)
+    # bounded memory: at most read_concurrency + 1 chunk buffers (one on a local disk)
+    with ReadAhead(partial(store.readinto, rel), 0, f.size, chunk=min(reader.READ_CHUNK, max(f.size, 1)),
+                   window=store.read_concurrency) as chunks:
+        for _, view in chunks:
+            seg.feed(view)
+            pos += len(view)
+            if progress:
+                progress(len(view))
+    if pos < f.size:
+        raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
+                                     path=f"{store.url}/{rel}", bad_files=[f.name])
     if seg.file_checksum() != f.checksum:
         raise mismatch_error(store, rm, index, seg.digests)
 
@@ -97,8 +101,10 @@ def verify_step(
     executor: Executor | None = None,
     ranks: list[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    threads: int = 4,
 ) -> StepReport:
-    """Check one committed step completely; never raises for corruption, reports it."""
+    """Check one committed step completely; never raises for corruption, reports it. Files are checked on
+    ``executor``, or ``threads`` at a time; each is read with its store's ``read_concurrency`` reads in flight."""
     report = StepReport(step=step, ok=False)
     try:
         manifest, rms = read_manifests(store, step, ranks=ranks)
@@ -112,7 +118,7 @@ def verify_step(
     report.bytes, report.created, report.world_size = manifest.total_bytes, manifest.created, manifest.world_size
     report.ranks = [rm.rank for rm in rms]
     own = executor is None
-    pool = executor or ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
+    pool = executor or ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify")
     try:
         jobs = [(rm, i) for rm in rms for i in range(len(rm.files))]
 
