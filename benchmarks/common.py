@@ -469,13 +469,17 @@ class RssSampler:
 
 
 @contextlib.contextmanager
-def s3_loopback(bucket: str = "bench") -> Iterator[dict[str, Any]]:
+def s3_loopback(bucket: str = "bench", *, own_process: bool = False) -> Iterator[dict[str, Any]]:
     """Start moto's S3 server on a free loopback port, create ``bucket``, and yield connection details.
 
     Yields ``{"endpoint_url", "bucket", "storage_options"}`` where ``storage_options`` is what fsspec/s3fs (and
-    ``CheckpointManager(storage_options=...)``) needs. Raises ``ImportError`` when moto or s3fs is missing.
+    ``CheckpointManager(storage_options=...)``) needs. ``own_process``: run the server in a process of its own
+    (``python -m moto.server``), so that its request handling does not share this process's GIL with what is
+    measured; else in threads of this process. Raises ``ImportError`` when moto or s3fs is missing.
     """
     import logging
+    import socket
+    import subprocess
 
     from moto.server import ThreadedMotoServer
 
@@ -484,10 +488,27 @@ def s3_loopback(bucket: str = "bench") -> Iterator[dict[str, Any]]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "y")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
+    proc: subprocess.Popen[bytes] | None = None
+    server: ThreadedMotoServer | None = None
+    if own_process:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            host, port = sock.getsockname()
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto's server did not start")
+            time.sleep(0.1)
+    else:
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
         host, port = server.get_host_and_port()
+    try:
         endpoint = f"http://{host}:{port}"
         opts = {"client_kwargs": {"endpoint_url": endpoint}, "key": "x", "secret": "y"}
         import s3fs
@@ -496,7 +517,14 @@ def s3_loopback(bucket: str = "bench") -> Iterator[dict[str, Any]]:
         fs.mkdir(bucket)
         yield {"endpoint_url": endpoint, "bucket": bucket, "storage_options": opts}
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 # --------------------------------------------------------------------------------------------------------------
