@@ -168,15 +168,10 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
 
     if rec.compression not in (None, "zstd"):
         raise corrupt(f"unknown compression {rec.compression!r}")
-    zstd_error: tuple[type[BaseException], ...] = ()
-    if rec.compression == "zstd":
-        import zstandard
-
-        zstd_error = (zstandard.ZstdError,)
     got = 0
     w = local.open_write(join(staging, rec.name), size_hint=rec.size)
     try:
-        if not zstd_error:  # the remote's ranged reads kept in flight, handed over in order
+        if rec.compression is None:  # the remote's ranged reads kept in flight, handed over in order
             with ReadAhead(partial(remote.readinto, src), 0, rec.size, chunk=_CHUNK,
                            window=remote.read_concurrency) as chunks:
                 for _, view in chunks:
@@ -188,7 +183,7 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
             if got == rec.size and remote.readinto(src, rec.size, memoryview(bytearray(1))):
                 raise corrupt(f"holds more than its {rec.size} bytes")
         else:
-            got = _pull_stream(remote, src, rec, seg, w, zstd_error, corrupt, progress)
+            got = _pull_zstd(remote, src, rec, seg, w, corrupt, progress)
         if got != rec.size:
             raise corrupt(f"holds {got} bytes, the manifest says {rec.size}")
         if seg.file_checksum() != rec.checksum:
@@ -200,9 +195,8 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
     return dataclasses.replace(rec, compression=None, stored_size=None)
 
 
-def _pull_stream(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentHasher, w: Any,
-                 zstd_error: tuple[type[BaseException], ...], corrupt: Callable[[str], CorruptCheckpointError],
-                 progress: Callable[[int], Any] | None) -> int:
+def _pull_zstd(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentHasher, w: Any,
+               corrupt: Callable[[str], CorruptCheckpointError], progress: Callable[[int], Any] | None) -> int:
     """A zstd-compressed remote file, decompressed, hashed and written as it streams in; returns its bytes."""
     import zstandard
 
@@ -221,7 +215,7 @@ def _pull_stream(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentH
                 w.write(data)
                 if progress is not None:
                     progress(len(data))
-        except zstd_error as exc:
+        except zstandard.ZstdError as exc:
             raise corrupt(f"damaged zstd stream: {exc}") from None
     return got
 
