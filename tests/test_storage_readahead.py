@@ -11,16 +11,17 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import build_step, write_step
 from helpers_core import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
 
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.format import layout
 from tierckpt.storage.faulty import FaultyFileSystem
 from tierckpt.storage.fsspec_store import DEFAULT_READ_CONCURRENCY, FsspecStore
-from tierckpt.storage.readahead import ReadAhead
+from tierckpt.storage.readahead import ReadAhead, each
 from tierckpt.tiers import reader
 from tierckpt.tiers.reader import read_manifests
-from tierckpt.tiers.verify import verify_step
+from tierckpt.tiers.verify import list_root, verify_step
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -153,6 +154,30 @@ def test_bad_arguments_are_refused() -> None:
         ReadAhead(f.read, 5, 4, chunk=1, window=2)
     with pytest.raises(ValueError, match="into"):
         ReadAhead(f.read, 0, 10, chunk=4, window=2, into=memoryview(bytearray(9)))
+
+
+def test_each_keeps_order_overlaps_requests_and_raises_the_first_error() -> None:
+    lock, state = threading.Lock(), {"now": 0, "max": 0}
+
+    def slow_square(x: int) -> int:
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(0.005)
+        with lock:
+            state["now"] -= 1
+        if x in (7, 11):
+            raise KeyError(x)
+        return x * x
+
+    assert each(slow_square, list(range(7)), concurrency=3) == [x * x for x in range(7)]
+    assert 2 <= state["max"] <= 6
+    state["max"] = 0
+    assert each(slow_square, list(range(5)), concurrency=1) == [0, 1, 4, 9, 16]
+    assert state["max"] == 1
+    with pytest.raises(KeyError) as exc:
+        each(slow_square, list(range(20)), concurrency=4)
+    assert exc.value.args == (7,) and state["now"] == 0  # the first in order, after every call ended
 
 
 # --- end to end on S3 (moto on loopback) --------------------------------------------------------------------------
@@ -322,3 +347,59 @@ def test_pull_reads_ahead_and_refuses_a_truncated_object(tmp_path, s3_bucket, s3
         assert not [n for n in other.list("") if n.startswith("step-")]
     finally:
         remote.close()
+
+
+def test_listing_a_remote_asks_for_every_manifest_at_once(make_store) -> None:
+    store = make_store("s3")
+    for step in range(1, 11):
+        write_step(store, build_step(step, sizes=(100,), n_files=1))
+    write_step(store, build_step(11, sizes=(100,), n_files=1), commit=False)  # a crash's leftover
+    expected = list_root(store)
+    counting = _CountingExists(store.fs)
+    store.fs = counting
+    listing = list_root(store)
+    assert sorted(listing.steps) == list(range(1, 11)) and listing == expected
+    assert any(name.startswith("step-0000000011") for name in listing.incomplete)
+    assert 2 <= counting.max_inflight <= 2 * store.read_concurrency
+
+
+class _CountingExists:
+    """The real s3fs filesystem, with ``exists`` (one HEAD or LIST each) counted while in flight."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs, self.lock, self.inflight, self.max_inflight = fs, threading.Lock(), 0, 0
+
+    def exists(self, *args: Any, **kwargs: Any) -> bool:
+        with self.lock:
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            time.sleep(0.005)
+            return self._fs.exists(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def test_step_states_of_a_remote_are_read_together(make_store) -> None:
+    from tierckpt.status import list_steps as step_infos
+    from tierckpt.tiers.uploader import list_steps
+
+    store, local = make_store("s3"), make_store("local")
+    for step in range(1, 9):
+        write_step(store, build_step(step, sizes=(100,), n_files=1))
+    store.fs.pipe_file(f"{store.root}/{layout.step_dir(8)}/{layout.STEP_MANIFEST}", b"{not json")  # corrupt
+    write_step(local, build_step(3, sizes=(100,), n_files=1))
+    counting = _CountingFS(store.fs)
+    store.fs = counting
+    assert list_steps(store) == {**{s: "committed" for s in range(1, 8)}, 8: "corrupt"}
+    assert counting.max_total >= 2
+    counting.max_total = 0
+    infos = step_infos(local, store, set(), set())
+    assert [(i.step, i.state) for i in infos] == [(1, "remote"), (2, "remote"), (3, "local+remote"), (4, "remote"),
+                                                   (5, "remote"), (6, "remote"), (7, "remote"), (8, "failed")]
+    assert all(i.bytes and i.bytes >= 100 for i in infos[:7]) and infos[7].bytes is None
+    assert counting.max_total >= 2

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from .format import layout
 from .storage.base import Store
 from .storage.commit import read_step_manifest
+from .storage.readahead import each
 from .tiers.verify import list_root
 
 log = logging.getLogger(__name__)
@@ -36,17 +38,23 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
             rem = list_root(remote).steps
         except OSError as exc:
             log.warning("tier remote: cannot list %s: %s", remote.url, exc)
-    out = []
-    for step in sorted(set(loc) | set(rem)):
+    steps = sorted(set(loc) | set(rem))
+
+    def manifest(step: int) -> tuple[Any, ...]:
         store = local if step in loc else remote
         assert store is not None
         try:
             m = read_step_manifest(store, layout.step_dir(step), step)
-            size, created = (m.total_bytes, m.created) if m else (None, None)
-            world, held = (m.world_size, m.holds_ranks) if m else (None, None)
-            broken = m is None
         except Exception:
-            size, created, broken, world, held = None, None, True, None, None
+            return None, None, True, None, None
+        if m is None:
+            return None, None, True, None, None
+        return m.total_bytes, m.created, False, m.world_size, m.holds_ranks
+
+    # one manifest read per step: issued together when steps come from an object store
+    found = each(manifest, steps, concurrency=1 if remote is None or not set(rem) - set(loc) else remote.read_concurrency)
+    out = []
+    for step, (size, created, broken, world, held) in zip(steps, found):
         if broken:
             state = "failed"
         elif step in loc and step in rem:

@@ -1,4 +1,4 @@
-"""Reading a range of a file as consecutive chunks with several chunk reads in flight (object stores).
+"""Hiding an object store's round trips: a file's chunk reads kept in flight, and small requests issued together.
 
 An object store answers each ranged GET after a round trip (tens of milliseconds on S3) and gives one connection a
 fraction of the bandwidth a node has; reading a file one chunk at a time leaves most of both unused. A
@@ -18,13 +18,21 @@ Invariants:
 - a failed read raises its error when its chunk's turn comes; :meth:`ReadAhead.close` (also the end of a ``with``,
   whatever happened) cancels the reads not yet started and waits for the running ones, so once it returns no read
   writes into the caller's memory any more.
+
+:func:`each` does the same for many small requests (does each step folder hold a ``manifest.json``, how large is
+each file): a remote tier keeping a thousand steps would otherwise wait a thousand round trips, one after another,
+to list them. Results come back in the items' order, and the first error is raised after every request ended.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: ``read(offset, view) -> bytes read`` (fewer only at the end of the file), e.g. a store's ``readinto`` of one file.
 ReadFn = Callable[[int, memoryview], int]
@@ -116,3 +124,13 @@ class ReadAhead:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+
+
+def each(fn: Callable[[T], R], items: Sequence[T], *, concurrency: int) -> list[R]:
+    """``[fn(x) for x in items]``, with up to ``2 x concurrency`` calls at once where ``concurrency`` > 1 (a store's
+    ``read_concurrency``: small requests such as a ``HEAD`` hold no buffer, so twice as many run as reads)."""
+    if concurrency <= 1 or len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(len(items), 2 * concurrency), thread_name_prefix="tierckpt-readahead") as ex:
+        futures = [ex.submit(fn, x) for x in items]
+    return [f.result() for f in futures]

@@ -41,7 +41,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.local import buffer_address
-from ..storage.readahead import ReadAhead
+from ..storage.readahead import ReadAhead, each
 from .bounce import BounceBuffers
 from .tasks import results, submit_all
 
@@ -191,15 +191,21 @@ def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
 
 
 def check_sizes(store: Store, rm: RankManifest) -> None:
-    """Compare every file's size on the store with the manifest before anything is allocated."""
+    """Compare every file's size on the store with the manifest before anything is allocated (the sizes asked for
+    together on an object store)."""
     folder = layout.step_dir(rm.step)
-    for f in rm.files:
-        rel = join(folder, f.name)
+
+    def size(rel: str) -> int | None:
         try:
-            actual = store.size(rel)
+            return store.size(rel)
         except FileNotFoundError:
+            return None
+
+    rels = [join(folder, f.name) for f in rm.files]
+    for f, rel, actual in zip(rm.files, rels, each(size, rels, concurrency=store.read_concurrency)):
+        if actual is None:
             raise CorruptCheckpointError("data file missing", step=rm.step, tier=store.tier, path=f"{store.url}/{rel}",
-                                         bad_files=[f.name]) from None
+                                         bad_files=[f.name])
         want = f.stored_size if f.compression else f.size
         if actual != want:
             raise CorruptCheckpointError(f"data file is {actual} bytes, manifest says {want} (truncated or replaced)",

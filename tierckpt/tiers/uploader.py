@@ -40,7 +40,7 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, RankRef, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for, read_step_manifest
-from ..storage.readahead import ReadAhead
+from ..storage.readahead import ReadAhead, each
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy, is_transient
 from .reader import check_sizes, read_manifests, segment_ends
 
@@ -546,13 +546,21 @@ def list_steps(store: Store) -> dict[int, str]:
     ``manifest.json`` that does not verify) or ``"incomplete"`` (no manifest: an upload in progress or a crash's
     leftover, including ``.tmp-`` folders of rename-commit stores)."""
     out: dict[int, str] = {}
-    for name in store.list(""):
+    names = store.list("")
+
+    def state(name: str) -> str:
+        try:
+            return "committed" if read_step_manifest(store, name, layout.parse_step_dir(name)) is not None \
+                else "incomplete"
+        except CorruptCheckpointError:
+            return "corrupt"
+
+    folders = [name for name in names if layout.parse_step_dir(name) is not None]
+    states = dict(zip(folders, each(state, folders, concurrency=store.read_concurrency)))  # reads issued together
+    for name in names:
         step = layout.parse_step_dir(name)
         if step is not None:
-            try:
-                out[step] = "committed" if read_step_manifest(store, name, step) is not None else "incomplete"
-            except CorruptCheckpointError:
-                out[step] = "corrupt"
+            out[step] = states[name]
             continue
         final = layout.parse_tmp_dir(name)
         if final is not None:

@@ -16,7 +16,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import hashing, layout
 from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
-from ..storage.readahead import ReadAhead
+from ..storage.readahead import ReadAhead, each
 from . import reader
 from .reader import mismatch_error, read_manifests, segment_ends
 
@@ -50,13 +50,19 @@ class RootListing:
 
 
 def list_root(store: Store) -> RootListing:
+    """The root's step folders that hold a ``manifest.json`` (one request each, issued together on object stores),
+    the leftovers of unfinished saves, and anything else."""
     steps: dict[int, str] = {}
     incomplete: list[str] = []
     other: list[str] = []
-    for name in store.list(""):
+    names = store.list("")
+    folders = [name for name in names if layout.parse_step_dir(name) is not None]
+    has_manifest = dict(zip(folders, each(store.exists, [join(name, layout.STEP_MANIFEST) for name in folders],
+                                          concurrency=store.read_concurrency)))
+    for name in names:
         step = layout.parse_step_dir(name)
         if step is not None:
-            if store.exists(join(name, layout.STEP_MANIFEST)):
+            if has_manifest[name]:
                 steps[step] = name
             else:
                 incomplete.append(name)
