@@ -11,8 +11,11 @@ and each emulated round trip, interleaved:
 - ``plain GET``: the same objects fetched whole with s3fs ``cat_file``, two at a time (the manager's reader count),
   hashing nothing: the naive download.
 
+With ``--list-steps N``, N small steps are saved to another prefix and listing them the way ``mgr.steps()`` and
+``tierckpt ls`` do (one existence check and one manifest read per step) is timed for each concurrency too.
+
 Loopback answers at once, unlike S3 (15-30 ms to the first byte in a region). ``--latency-ms`` emulates that round
-trip: every ranged or whole GET first sleeps that long (a wrapper around the real s3fs filesystem; the bytes still
+trip: every GET, HEAD and LIST first sleeps that long (a wrapper around the real s3fs filesystem; the bytes still
 travel through moto). Reported: median seconds, GB/s and ratios to ``rc=1`` and to the plain GET.
 """
 
@@ -44,17 +47,24 @@ from state import empty_like_state, gpt_state, state_bytes, tensors
 
 
 class _LatencyFS:
-    """The real s3fs filesystem; every ``cat_file`` (one GET) first waits an emulated round trip."""
+    """The real s3fs filesystem; every request a reader makes (``cat_file``: a GET; ``exists``, ``info``, ``size``:
+    a HEAD; ``ls``: a LIST) first waits an emulated round trip."""
+
+    REQUESTS = frozenset({"cat_file", "exists", "info", "size", "ls"})
 
     def __init__(self, fs: Any, latency_s: float) -> None:
         self._fs, self._latency = fs, latency_s
 
-    def cat_file(self, *args: Any, **kwargs: Any) -> bytes:
-        time.sleep(self._latency)
-        return self._fs.cat_file(*args, **kwargs)
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._fs, name)
+        attr = getattr(self._fs, name)
+        if name not in self.REQUESTS or not self._latency:
+            return attr
+
+        def request(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(self._latency)
+            return attr(*args, **kwargs)
+
+        return request
 
 
 def restore_once(tc: Any, scratch: Path, url: str, opts: dict[str, Any], state: Any, dst: Any, rc: int,
@@ -71,6 +81,26 @@ def restore_once(tc: Any, scratch: Path, url: str, opts: dict[str, Any], state: 
         return elapsed
     finally:
         remove(d)
+
+
+def list_once(tc: Any, scratch: Path, url: str, opts: dict[str, Any], rc: int, latency_s: float, n: int) -> float:
+    from tierckpt.status import list_steps
+    from tierckpt.storage.local import LocalStore
+    from tierckpt.storage.open import open_store
+
+    remote = open_store(url, storage_options=opts, tier="remote", create=False, read_concurrency=rc)
+    remote.fs = _LatencyFS(remote.fs, latency_s)
+    d = fresh_dir(scratch, "rr-list")
+    try:
+        t0 = time.perf_counter()
+        infos = list_steps(LocalStore(d), remote, set(), set())
+        elapsed = time.perf_counter() - t0
+    finally:
+        remove(d)
+        remote.close()
+    if len(infos) != n or any(i.state != "remote" for i in infos):
+        raise RuntimeError(f"listed {len(infos)} steps, expected {n} remote ones")
+    return elapsed
 
 
 def plain_get(url: str, opts: dict[str, Any], latency_s: float) -> float:
@@ -94,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latency-ms", default="0,25", help="emulated round trips to measure, comma-separated")
     p.add_argument("--concurrency", default="1,8", help="remote_read_concurrency values, comma-separated")
+    p.add_argument("--list-steps", type=int, default=0, metavar="N", help="also time listing N remote steps")
     p.add_argument("--file-size-mb", type=int, default=32,
                    help="data file size (moto copies a whole object for every ranged GET, S3 does not)")
     p.add_argument("--dir", help="scratch folder on a real disk (default: REPO/.bench)")
@@ -121,8 +152,27 @@ def main(argv: list[str] | None = None) -> int:
                 mgr.wait()
         finally:
             remove(d)
+        list_url = f"s3://{s3['bucket']}/remote-list"
+        if a.list_steps:
+            d = fresh_dir(scratch, "rr-save-many")
+            try:
+                with tc.CheckpointManager(d, remote=list_url, storage_options=opts, keep_local=1) as mgr:
+                    for step in range(1, a.list_steps + 1):
+                        mgr.save(step, {"x": torch.full((16,), float(step))})
+                    mgr.wait()
+            finally:
+                remove(d)
+            for lat in latencies:
+                for rc in rcs:
+                    times[(lat, f"list {a.list_steps} steps rc={rc}")] = []
         for r in range(a.repeats):
             for lat in latencies:
+                if a.list_steps:
+                    for rc in (rcs if r % 2 == 0 else rcs[::-1]):
+                        t = list_once(tc, scratch, list_url, opts, rc, lat, a.list_steps)
+                        times[(lat, f"list {a.list_steps} steps rc={rc}")].append(t)
+                        print(f"[{time.strftime('%H:%M:%S')}] repeat {r + 1}/{a.repeats} latency {lat * 1e3:.0f} ms "
+                              f"list rc={rc}: {t:.3f} s", file=sys.stderr, flush=True)
                 order = cases[r % len(cases):] + cases[: r % len(cases)]
                 for case in order:
                     settle()
@@ -145,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([f"{lat * 1e3:.0f} ms", case, f"{m:.3f}", f"{nbytes / m / 1e9:.2f}",
                          f"{ratio(m, base):.2f}x", f"{ratio(m, plain):.2f}x"])
             summary[f"{lat * 1e3:.0f}ms {case}"] = {"median_s": m, "all_s": times[(lat, case)]}
+    if a.list_steps:
+        for lat in latencies:
+            base = median(times[(lat, f"list {a.list_steps} steps rc={rcs[0]}")])
+            for rc in rcs:
+                case = f"list {a.list_steps} steps rc={rc}"
+                m = median(times[(lat, case)])
+                rows.append([f"{lat * 1e3:.0f} ms", case, f"{m:.3f}", "", f"{ratio(m, base):.2f}x", ""])
+                summary[f"{lat * 1e3:.0f}ms {case}"] = {"median_s": m, "all_s": times[(lat, case)]}
     table = markdown_table(heads, rows)
     print(table)
     if a.out:
