@@ -403,3 +403,7 @@ def test_step_states_of_a_remote_are_read_together(make_store) -> None:
                                                    (5, "remote"), (6, "remote"), (7, "remote"), (8, "failed")]
     assert all(i.bytes and i.bytes >= 100 for i in infos[:7]) and infos[7].bytes is None
     assert counting.max_total >= 2
+    # a rename-commit store's temporary folder is an unfinished step; a committed one of the same number wins
+    write_step(local, build_step(5, sizes=(100,), n_files=1), commit=False)
+    write_step(local, build_step(3, sizes=(100,), n_files=1), commit=False)
+    assert list_steps(local) == {3: "committed", 5: "incomplete"}

@@ -545,28 +545,22 @@ def list_steps(store: Store) -> dict[int, str]:
     """Every step a store holds, with its state: ``"committed"`` (a verified ``manifest.json``), ``"corrupt"`` (a
     ``manifest.json`` that does not verify) or ``"incomplete"`` (no manifest: an upload in progress or a crash's
     leftover, including ``.tmp-`` folders of rename-commit stores)."""
-    out: dict[int, str] = {}
     names = store.list("")
+    folders = {step: name for name in names if (step := layout.parse_step_dir(name)) is not None}
 
-    def state(name: str) -> str:
+    def state(item: tuple[int, str]) -> str:
         try:
-            return "committed" if read_step_manifest(store, name, layout.parse_step_dir(name)) is not None \
-                else "incomplete"
+            return "committed" if read_step_manifest(store, item[1], item[0]) is not None else "incomplete"
         except CorruptCheckpointError:
             return "corrupt"
 
-    folders = [name for name in names if layout.parse_step_dir(name) is not None]
-    states = dict(zip(folders, each(state, folders, concurrency=store.read_concurrency)))  # reads issued together
-    for name in names:
-        step = layout.parse_step_dir(name)
-        if step is not None:
-            out[step] = states[name]
-            continue
+    # one manifest read per step, issued together on an object store
+    out = dict(zip(folders, each(state, list(folders.items()), concurrency=store.read_concurrency)))
+    for name in names:  # temporary folders of rename-commit stores: an upload in progress or a leftover
         final = layout.parse_tmp_dir(name)
-        if final is not None:
-            tmp_step = layout.parse_step_dir(final)
-            if tmp_step is not None:
-                out.setdefault(tmp_step, "incomplete")
+        tmp_step = None if final is None else layout.parse_step_dir(final)
+        if tmp_step is not None:
+            out.setdefault(tmp_step, "incomplete")
     return dict(sorted(out.items()))
 
 
