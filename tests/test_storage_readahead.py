@@ -407,3 +407,43 @@ def test_step_states_of_a_remote_are_read_together(make_store) -> None:
     write_step(local, build_step(5, sizes=(100,), n_files=1), commit=False)
     write_step(local, build_step(3, sizes=(100,), n_files=1), commit=False)
     assert list_steps(local) == {3: "committed", 5: "incomplete"}
+
+
+class _LyingFS(_CountingFS):
+    """A memory filesystem whose ranged reads of data files can come back with one bit flipped (same size)."""
+
+    def __init__(self, fs: Any) -> None:
+        super().__init__(fs)
+        self.lie = False
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> bytes:
+        data = super().cat_file(path, *args, **kwargs)
+        if self.lie and path.endswith(".safetensors") and data:
+            data = bytes([data[0] ^ 1]) + data[1:]
+        return data
+
+
+def test_upload_verification_reads_back_with_reads_in_flight(make_store) -> None:
+    import secrets
+
+    import fsspec
+
+    from tierckpt import UploadError
+    from tierckpt.storage.retry import RetryPolicy
+    from tierckpt.tiers.uploader import list_steps, replicate_step
+
+    local = make_store("local")
+    built = build_step(21, sizes=(4096, 3000, 37), n_files=2)
+    write_step(local, built)
+    fast = RetryPolicy(attempts=2, base_delay_s=0.001, max_delay_s=0.01)
+    fs = _LyingFS(fsspec.filesystem("memory"))
+    remote = FsspecStore(f"memory://ra-{secrets.token_hex(4)}/r", fs=fs, read_concurrency=4)
+    replicate_step(local, remote, 21, verify=True, retry=fast, part_size=1024)  # ~7 chunks a file
+    assert list_steps(remote) == {21: "committed"}
+    assert 2 <= fs.max_per_file <= 4
+    # a backend whose reads do not return what was written: never committed
+    fs.lie = True
+    other = FsspecStore(f"memory://ra-{secrets.token_hex(4)}/r", fs=fs, read_concurrency=4)
+    with pytest.raises(UploadError, match="reads back"):
+        replicate_step(local, other, 21, verify=True, retry=fast, part_size=1024)
+    assert list_steps(other) == {}
