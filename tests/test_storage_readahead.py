@@ -447,3 +447,18 @@ def test_upload_verification_reads_back_with_reads_in_flight(make_store) -> None
     with pytest.raises(UploadError, match="reads back"):
         replicate_step(local, other, 21, verify=True, retry=fast, part_size=1024)
     assert list_steps(other) == {}
+
+
+def test_s3_connection_pool_matches_the_reads_in_flight(s3_bucket, s3_server) -> None:
+    opts = s3_server.storage_options()
+    sized = FsspecStore(f"{s3_bucket}/pool", storage_options=opts, read_concurrency=6)
+    mine = FsspecStore(f"{s3_bucket}/pool", storage_options={**opts, "config_kwargs": {"max_pool_connections": 5}})
+    try:
+        for store in (sized, mine):
+            store.write_bytes("f", b"x")  # s3fs connects on first use
+        assert sized.fs.s3._client_config.max_pool_connections == 24
+        assert mine.fs.s3._client_config.max_pool_connections == 5  # the caller's choice stays
+        assert opts.get("config_kwargs") is None  # the caller's options are not changed
+    finally:
+        sized.close()
+        mine.close()

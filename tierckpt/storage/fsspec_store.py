@@ -40,6 +40,9 @@ DEFAULT_PART_SIZE = 16 << 20
 #: Ranged reads of one file kept in flight by a reader (``read_concurrency``): each ranged GET waits a round trip
 #: before its first byte and one connection rarely gets a node's bandwidth. 8 x 8 MiB chunks: 64 MiB in flight a file.
 DEFAULT_READ_CONCURRENCY = 8
+#: S3 connections per read in flight: files read at once (a manager's 2 io threads, the CLI's 4 files at a time)
+#: times ``read_concurrency`` each, so that reads in flight do not queue for a connection (8 -> a pool of 32).
+POOL_PER_READ = 4
 #: Seconds one request may take (connect + read) where the backend lets us set it (s3fs).
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 
@@ -187,7 +190,8 @@ class FsspecStore(Store):
         """Open ``url`` (e.g. ``s3://bucket/prefix``). ``storage_options`` go to the backend (credentials, endpoint);
         ``fs`` supplies a ready filesystem instead (tests wrap one in a fault injector), ``url`` then only names the
         root. ``request_timeout_s`` bounds each request where the backend supports it (s3fs: connect and read).
-        ``read_concurrency``: ranged reads of one file in flight at once (see the module docstring)."""
+        ``read_concurrency``: ranged reads of one file in flight at once (see the module docstring); on S3 the
+        connection pool is raised to match (:data:`POOL_PER_READ` x it) unless ``config_kwargs`` set it."""
         self.tier = tier
         self.url = redact_url(url).rstrip("/")
         self.part_size = int(part_size)
@@ -219,10 +223,13 @@ class FsspecStore(Store):
             raise StorageError("remote tiers need fsspec: pip install fsspec", tier=self.tier, path=self.url) from exc
         options.setdefault("skip_instance_cache", True)
         options.setdefault("use_listings_cache", False)
-        if scheme in ("s3", "s3a") and request_timeout_s:
+        if scheme in ("s3", "s3a"):
             cfg = dict(options.get("config_kwargs") or {})
-            cfg.setdefault("connect_timeout", min(10.0, request_timeout_s))
-            cfg.setdefault("read_timeout", request_timeout_s)
+            if request_timeout_s:
+                cfg.setdefault("connect_timeout", min(10.0, request_timeout_s))
+                cfg.setdefault("read_timeout", request_timeout_s)
+            # botocore's pool holds 10 connections: fewer than a few files' reads in flight
+            cfg.setdefault("max_pool_connections", max(10, POOL_PER_READ * self.read_concurrency))
             options["config_kwargs"] = cfg
         try:
             return fsspec.core.url_to_fs(url, **options)
