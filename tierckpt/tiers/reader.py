@@ -212,6 +212,13 @@ def check_sizes(store: Store, rm: RankManifest) -> None:
                                          step=rm.step, tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
 
 
+def ends_early_error(store: Store, rm: RankManifest, index: int, at: int) -> CorruptCheckpointError:
+    """File ``index`` holds fewer bytes than its record: it ends at byte ``at``."""
+    f = rm.files[index]
+    return CorruptCheckpointError(f"{f.name} ends early at byte {at}", step=rm.step, tier=store.tier,
+                                  path=f"{store.url}/{join(layout.step_dir(rm.step), f.name)}", bad_files=[f.name])
+
+
 def mismatch_error(store: Store, rm: RankManifest, index: int, digests: list[bytes]) -> CorruptCheckpointError:
     f = rm.files[index]
     folder = layout.step_dir(rm.step)
@@ -380,8 +387,7 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             want = sum(b.nbytes for b in batch)
             n = store.readinto_many(rel, pos, batch)
             if n != want:
-                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
-                                             path=f"{store.url}/{rel}", bad_files=[f.name])
+                raise ends_early_error(store, rm, index, pos + n)
             hasher.feed(batch)
             pos += n
         return
@@ -393,8 +399,7 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             hasher.feed([view])
             pos += len(view)
     if pos < f.size:
-        raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
-                                     path=f"{store.url}/{rel}", bad_files=[f.name])
+        raise ends_early_error(store, rm, index, pos)
 
 
 def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: list[memoryview],
@@ -414,8 +419,7 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
         try:
             n = store.readinto_direct(rel, pos, buf[:want])
             if n != want:
-                raise CorruptCheckpointError(f"{f.name} ends early at byte {pos + n}", step=rm.step, tier=store.tier,
-                                             path=f"{store.url}/{rel}", bad_files=[f.name])
+                raise ends_early_error(store, rm, index, pos + n)
             end = pos + n
             src = buffer_address(buf)
             assert src is not None  # a bounce buffer: writable and never empty

@@ -18,7 +18,7 @@ from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.readahead import ReadAhead, each
 from . import reader
-from .reader import mismatch_error, read_manifests, segment_ends
+from .reader import ends_early_error, mismatch_error, read_manifests, segment_ends
 
 
 @dataclass
@@ -94,8 +94,7 @@ def verify_file(store: Store, rm: RankManifest, index: int, progress: Callable[[
             if progress:
                 progress(len(view))
     if pos < f.size:
-        raise CorruptCheckpointError(f"{f.name} ends early at byte {pos}", step=rm.step, tier=store.tier,
-                                     path=f"{store.url}/{rel}", bad_files=[f.name])
+        raise ends_early_error(store, rm, index, pos)
     if seg.file_checksum() != f.checksum:
         raise mismatch_error(store, rm, index, seg.digests)
 
