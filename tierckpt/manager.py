@@ -129,9 +129,9 @@ class CheckpointManager:
             staging_buffers=staging_buffers, file_size_mb=file_size_mb, upload_threads=upload_threads,
             upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
-            remote_read_concurrency=remote_read_concurrency, cache_remote_restores=cache_remote_restores, pin_memory=pin_memory, log_records=log_records,
-            collective_timeout_s=collective_timeout_s, lazy_snapshot=lazy_snapshot,
-            direct_io=direct_io, overlap_writes=overlap_writes,
+            remote_read_concurrency=remote_read_concurrency, cache_remote_restores=cache_remote_restores,
+            pin_memory=pin_memory, log_records=log_records, collective_timeout_s=collective_timeout_s,
+            lazy_snapshot=lazy_snapshot, direct_io=direct_io, overlap_writes=overlap_writes,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")

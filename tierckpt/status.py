@@ -46,13 +46,14 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
         try:
             m = read_step_manifest(store, layout.step_dir(step), step)
         except Exception:
-            return None, None, True, None, None
+            m = None
         if m is None:
             return None, None, True, None, None
         return m.total_bytes, m.created, False, m.world_size, m.holds_ranks
 
-    # one manifest read per step: issued together when steps come from an object store
-    found = each(manifest, steps, concurrency=1 if remote is None or not set(rem) - set(loc) else remote.read_concurrency)
+    # one manifest read per step: issued together when some steps come from the remote (an object store)
+    remote_only = remote is not None and any(step not in loc for step in rem)
+    found = each(manifest, steps, concurrency=remote.read_concurrency if remote_only else 1)
     out = []
     for step, (size, created, broken, world, held) in zip(steps, found):
         if broken:
