@@ -73,6 +73,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     if args.threads < 1:
         raise _Usage("--threads must be >= 1")
+    if args.write_concurrency < 1:
+        raise _Usage("--write-concurrency must be >= 1")
     opts = _storage_options(args.storage_option)
     local, only = _open_root(args.local, None if not is_url(args.local) else opts)
     local.tier = "local"
@@ -80,7 +82,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if not local_steps:
         _say(args, f"no committed checkpoints under {local.url}" + (f" for step {only}" if only is not None else ""))
         return EXIT_USAGE
-    remote = open_store(args.remote, storage_options=opts, tier="remote", create=True)
+    remote = open_store(args.remote, storage_options=opts, tier="remote", create=True,
+                        write_concurrency=args.write_concurrency)
     try:
         remote_state = list_steps(remote)
         todo: list[int] = []
@@ -446,6 +449,8 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("local", help="local tier root (or one step folder)")
     sp.add_argument("remote", help="remote tier: a path or an fsspec URL such as s3://bucket/run")
     sp.add_argument("--threads", type=int, default=4, help="files uploaded in parallel (default 4)")
+    sp.add_argument("--write-concurrency", type=int, default=4, metavar="N",
+                    help="s3:// only: parts of the uploads in flight at once (default 4; each holds a part in memory)")
     sp.add_argument("--compression", choices=["zstd"], default=None, help="store the remote copy compressed")
     sp.add_argument("--verify", action="store_true", help="re-read and hash every uploaded file before committing")
     common(sp)

@@ -73,6 +73,8 @@ class CheckpointManager:
             verify_uploads: the remote tier's uploader.
         remote_read_concurrency: ranged reads of one file kept in flight when reading from an object store
             (a restore, a verification): each is a request that waits a round trip before its first byte.
+        remote_write_concurrency: parts of the uploads to S3 in flight at once (each ``upload_part_mb`` of memory);
+            1 sends each file's parts one after another.
         cache_remote_restores: copy a step restored from the remote tier into the local tier (single-rank jobs).
         collective_timeout_s: multi-rank jobs: how long a rank waits for the others to agree on a commit.
         pin_memory: pin staging buffers (default: when CUDA is available).
@@ -112,6 +114,7 @@ class CheckpointManager:
         remote_compression: str | None = None,
         verify_uploads: bool = False,
         remote_read_concurrency: int = 8,
+        remote_write_concurrency: int = 4,
         cache_remote_restores: bool = False,
         pin_memory: bool | None = None,
         log_records: bool = True,
@@ -129,7 +132,8 @@ class CheckpointManager:
             staging_buffers=staging_buffers, file_size_mb=file_size_mb, upload_threads=upload_threads,
             upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
             upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
-            remote_read_concurrency=remote_read_concurrency, cache_remote_restores=cache_remote_restores,
+            remote_read_concurrency=remote_read_concurrency, remote_write_concurrency=remote_write_concurrency,
+            cache_remote_restores=cache_remote_restores,
             pin_memory=pin_memory, log_records=log_records, collective_timeout_s=collective_timeout_s,
             lazy_snapshot=lazy_snapshot, direct_io=direct_io, overlap_writes=overlap_writes,
         )
@@ -160,7 +164,8 @@ class CheckpointManager:
                 # are never checkpoints; `tierckpt prune` removes them.
                 self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote",
                                          part_size=self.options.upload_part_mb << 20,
-                                         read_concurrency=self.options.remote_read_concurrency)
+                                         read_concurrency=self.options.remote_read_concurrency,
+                                         write_concurrency=self.options.remote_write_concurrency)
         except BaseException:
             self._unlock()
             raise

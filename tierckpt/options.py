@@ -21,6 +21,7 @@ class Options:
     remote_compression: str | None = None
     verify_uploads: bool = False
     remote_read_concurrency: int = 8
+    remote_write_concurrency: int = 4
     cache_remote_restores: bool = False
     pin_memory: bool | None = None
     log_records: bool = True
@@ -46,6 +47,7 @@ class Options:
         pos_int("upload_threads")
         pos_int("upload_part_mb")
         pos_int("remote_read_concurrency")
+        pos_int("remote_write_concurrency")
         if self.upload_part_mb < 5:
             raise ValueError(f"upload_part_mb must be >= 5 (the S3 multipart minimum), got {self.upload_part_mb!r}")
         for name in ("upload_bandwidth_mbps", "upload_deadline_s", "collective_timeout_s"):

@@ -7,8 +7,10 @@ Invariants and choices:
   atomic on S3/GCS/Azure). ``local_path`` is None: callers never bypass the store with OS calls.
 - Folders are implicit on object stores: ``makedirs`` may create nothing, a folder "exists" once a file is in it,
   and :meth:`FsspecStore.list` of a missing folder is an empty list.
-- ``open_write`` streams: bytes are buffered up to ``part_size`` and sent as parts (s3fs turns a file larger than one
-  part into a multipart upload). ``close()`` returns once the object is complete (the final PUT or the multipart
+- ``open_write`` streams: bytes are buffered up to ``part_size`` and sent as parts (a file larger than one part
+  becomes a multipart upload). On S3 up to ``write_concurrency`` parts of the store's uploads are in flight at
+  once (:mod:`.s3upload`); elsewhere, and with ``write_concurrency=1``, the backend's buffered file sends them
+  one after another. ``close()`` returns once the object is complete (the final PUT or the multipart
   completion); ``abort()`` discards the upload (``discard()`` aborts an S3 multipart upload) and removes whatever
   became visible, so an aborted file never lingers under its name.
 - Reads are stateless ranged reads (``cat_file(path, start=, end=)``), so any number of threads may read the same
@@ -31,6 +33,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, StorageError
 from .base import Store, WriteStream, join
+from .s3upload import DEFAULT_WRITE_CONCURRENCY, PartUploads, S3MultipartStream, supports_parallel_parts
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ DEFAULT_READ_CONCURRENCY = 8
 #: S3 connections per read in flight: files read at once (a manager's 2 io threads, the CLI's 4 files at a time)
 #: times ``read_concurrency`` each, so that reads in flight do not queue for a connection (8 -> a pool of 32).
 POOL_PER_READ = 4
+#: S3's smallest part (every part of a multipart upload but the last); smaller parts go through the backend's file.
+S3_MIN_PART = 5 << 20
 #: Seconds one request may take (connect + read) where the backend lets us set it (s3fs).
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 
@@ -186,12 +191,15 @@ class FsspecStore(Store):
         part_size: int = DEFAULT_PART_SIZE,
         request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
         read_concurrency: int = DEFAULT_READ_CONCURRENCY,
+        write_concurrency: int = DEFAULT_WRITE_CONCURRENCY,
     ) -> None:
         """Open ``url`` (e.g. ``s3://bucket/prefix``). ``storage_options`` go to the backend (credentials, endpoint);
         ``fs`` supplies a ready filesystem instead (tests wrap one in a fault injector), ``url`` then only names the
         root. ``request_timeout_s`` bounds each request where the backend supports it (s3fs: connect and read).
         ``read_concurrency``: ranged reads of one file in flight at once (see the module docstring); on S3 the
-        connection pool is raised to match (:data:`POOL_PER_READ` x it) unless ``config_kwargs`` set it."""
+        connection pool is raised to match (:data:`POOL_PER_READ` x it) unless ``config_kwargs`` set it.
+        ``write_concurrency``: parts of this store's uploads in flight at once on S3 (their bytes in memory: times
+        ``part_size``); 1 sends each file's parts one after another."""
         self.tier = tier
         self.url = redact_url(url).rstrip("/")
         self.part_size = int(part_size)
@@ -201,6 +209,10 @@ class FsspecStore(Store):
             raise CheckpointError(f"read_concurrency must be a positive int, got {read_concurrency!r}", tier=tier,
                                   path=self.url)
         self.read_concurrency = read_concurrency
+        if isinstance(write_concurrency, bool) or not isinstance(write_concurrency, int) or write_concurrency < 1:
+            raise CheckpointError(f"write_concurrency must be a positive int, got {write_concurrency!r}", tier=tier,
+                                  path=self.url)
+        self.write_concurrency = write_concurrency
         scheme = _scheme(url)
         if fs is None:
             fs, root = self._connect(url, scheme, dict(storage_options or {}), request_timeout_s)
@@ -213,6 +225,8 @@ class FsspecStore(Store):
         if not self.root or self.root in ("/", ""):
             # refusing a bare bucket-less root keeps remove() and recover() away from a whole file system
             raise CheckpointError("a remote tier needs a folder, not the file system's root", tier=tier, path=self.url)
+        self._part_uploads = (PartUploads(write_concurrency, tier) if write_concurrency > 1
+                              and self.part_size >= S3_MIN_PART and supports_parallel_parts(fs, scheme) else None)
 
     def _connect(
         self, url: str, scheme: str, options: dict[str, Any], request_timeout_s: float | None
@@ -324,6 +338,9 @@ class FsspecStore(Store):
     def open_write(self, rel: str, *, size_hint: int | None = None) -> WriteStream:
         p = self._p(rel)
         log.debug("tier %s: upload %s (%s bytes expected)", self.tier, self.display(rel), size_hint)
+        if self._part_uploads is not None:
+            return S3MultipartStream(self.fs, p, part_size=self.part_size, uploads=self._part_uploads, tier=self.tier,
+                                     url=self.display(rel))
         return _FsspecWriteStream(self, rel, p)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -345,6 +362,8 @@ class FsspecStore(Store):
             self._invalidate(p)
 
     def close(self) -> None:
+        if self._part_uploads is not None:
+            self._part_uploads.close()
         self.fs = _Closed(self.url)
 
     def __repr__(self) -> str:

@@ -22,10 +22,11 @@ def open_store(
     create: bool = True,
     part_size: int | None = None,
     read_concurrency: int | None = None,
+    write_concurrency: int | None = None,
 ) -> Store:
     """A plain path or ``file://`` URL opens a :class:`LocalStore` (fsync, atomic rename); any other URL goes through
-    fsspec, whose backend package is imported only then. ``part_size`` and ``read_concurrency`` (None: the
-    defaults) apply to fsspec stores only."""
+    fsspec, whose backend package is imported only then. ``part_size``, ``read_concurrency`` and
+    ``write_concurrency`` (None: the defaults) apply to fsspec stores only."""
     s = os.fspath(target)
     if not s:
         raise CheckpointError("empty path or URL", tier=tier)
@@ -41,4 +42,6 @@ def open_store(
         kwargs["part_size"] = part_size
     if read_concurrency is not None:
         kwargs["read_concurrency"] = read_concurrency
+    if write_concurrency is not None:
+        kwargs["write_concurrency"] = write_concurrency
     return FsspecStore(s, storage_options=storage_options, tier=tier, **kwargs)

@@ -1,0 +1,268 @@
+"""Uploads to S3 with parts in flight (tierckpt.storage.s3upload), against moto's real S3 protocol on loopback."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import tierckpt
+from tierckpt.errors import CheckpointError
+from tierckpt.format import layout
+from tierckpt.storage.fsspec_store import FsspecStore, _FsspecWriteStream
+from tierckpt.storage.s3upload import S3MultipartStream
+
+MiB = 1 << 20
+
+
+class _Calls:
+    """Wraps a store's ``fs.call_s3``: counts calls per operation and parts in flight; can delay or fail parts."""
+
+    def __init__(self, store: FsspecStore, *, delay: float = 0.0, fail_part: int | None = None) -> None:
+        self.real = store.fs.call_s3
+        self.delay, self.fail_part = delay, fail_part
+        self.ops: list[str] = []
+        self.kwargs: list[dict] = []
+        self.in_flight = self.most = self.parts = 0
+        self.lock = threading.Lock()
+        store.fs.call_s3 = self  # an instance attribute: this store's filesystem only
+
+    def __call__(self, method: str, *args, **kwargs):
+        with self.lock:
+            self.ops.append(method)
+            self.kwargs.append({k: v for k, v in kwargs.items() if k != "Body"})
+        if method != "upload_part":
+            return self.real(method, *args, **kwargs)
+        with self.lock:
+            self.parts += 1
+            n = self.parts
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+        try:
+            time.sleep(self.delay)
+            if n == self.fail_part:
+                raise OSError(f"injected failure of part request {n}")
+            return self.real(method, *args, **kwargs)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def _store(make_store, **kw) -> FsspecStore:
+    store = make_store("s3", **kw)
+    assert isinstance(store, FsspecStore)
+    return store
+
+
+def _pending_uploads(store: FsspecStore) -> list:
+    bucket = store.root.split("/", 1)[0]
+    return store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+
+
+def test_parts_go_out_together_and_the_object_is_exact(make_store) -> None:
+    store = _store(make_store, write_concurrency=4)
+    calls = _Calls(store, delay=0.15)
+    data = _payload(23 * MiB + 123)
+    buf = bytearray(MiB)  # the caller reuses one buffer: the stream must have copied what it was given
+    w = store.open_write("f.bin")
+    assert isinstance(w, S3MultipartStream)
+    for off in range(0, len(data), MiB):
+        piece = data[off : off + MiB]
+        buf[: len(piece)] = piece
+        w.write(memoryview(buf)[: len(piece)])
+        buf[:] = b"\xee" * MiB
+    assert not store.exists("f.bin")  # nothing visible before the completion
+    w.close()
+    assert store.size("f.bin") == len(data)
+    out = bytearray(len(data))
+    assert store.readinto("f.bin", 0, memoryview(out)) == len(data)
+    assert bytes(out) == data
+    assert calls.parts == 5  # 4 full 5 MiB parts and the rest
+    assert 2 <= calls.most <= 4
+    assert calls.ops.count("create_multipart_upload") == 1 and calls.ops.count("complete_multipart_upload") == 1
+    assert _pending_uploads(store) == []
+
+
+def test_bytes_of_every_size_arrive_in_order(make_store) -> None:
+    store = _store(make_store, write_concurrency=3)
+    pieces = [_payload(n, seed=i) for i, n in enumerate([3 * MiB, 7 * MiB, 5 * MiB, 1, 12 * MiB + 7, 0, 2 * MiB])]
+    with store.open_write("g.bin") as w:
+        for i, p in enumerate(pieces):
+            w.write(p if i % 2 == 0 else memoryview(bytearray(p)))
+    data = b"".join(pieces)
+    out = bytearray(len(data))
+    assert store.readinto("g.bin", 0, memoryview(out)) == len(data)
+    assert bytes(out) == data
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 * MiB - 1])
+def test_a_file_under_one_part_is_one_put(make_store, size: int) -> None:
+    store = _store(make_store)
+    calls = _Calls(store)
+    data = _payload(size)
+    with store.open_write("small.bin") as w:
+        w.write(data)
+    assert calls.ops == ["put_object"]
+    assert store.size("small.bin") == size
+    assert store.read_bytes("small.bin", max_size=size) == data
+
+
+def test_an_exact_multiple_of_the_part_size(make_store) -> None:
+    store = _store(make_store)
+    calls = _Calls(store)
+    data = _payload(10 * MiB)
+    with store.open_write("even.bin") as w:
+        w.write(data)
+    assert calls.parts == 2 and store.size("even.bin") == len(data)
+    assert store.read_bytes("even.bin", max_size=len(data)) == data
+
+
+def test_a_failed_part_fails_the_file_and_aborts_the_upload(make_store) -> None:
+    store = _store(make_store, write_concurrency=2)
+    calls = _Calls(store, delay=0.05, fail_part=2)
+    w = store.open_write("bad.bin")
+    with pytest.raises(OSError, match="part request 2"):
+        try:
+            for _ in range(6):
+                w.write(_payload(5 * MiB))
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+    assert not store.exists("bad.bin")
+    assert _pending_uploads(store) == []
+    assert "abort_multipart_upload" in calls.ops
+    assert calls.in_flight == 0
+    uploads = store._part_uploads
+    assert uploads is not None and uploads._permits._value == uploads.concurrency  # every permit back
+
+
+def test_abort_leaves_no_object_and_no_upload(make_store) -> None:
+    store = _store(make_store, write_concurrency=2)
+    calls = _Calls(store, delay=0.1)
+    w = store.open_write("gone.bin")
+    w.write(_payload(12 * MiB))  # two parts handed over, the rest buffered
+    w.abort()
+    assert calls.in_flight == 0  # abort waited for the parts being sent
+    assert not store.exists("gone.bin")
+    assert _pending_uploads(store) == []
+    with pytest.raises(CheckpointError, match="closed upload"):
+        w.write(b"x")
+
+
+def test_parts_in_memory_are_bounded_by_the_store(make_store) -> None:
+    store = _store(make_store, write_concurrency=2)
+    calls = _Calls(store, delay=0.1)
+    streams = [store.open_write(f"m{i}.bin") for i in range(2)]
+
+    def fill(w) -> None:
+        for _ in range(4):
+            w.write(_payload(5 * MiB))
+        w.close()
+
+    threads = [threading.Thread(target=fill, args=(w,)) for w in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls.parts == 8 and calls.most <= 2  # two files, one store: 2 parts in flight at most
+    assert all(store.size(f"m{i}.bin") == 20 * MiB for i in range(2))
+
+
+def test_storage_options_reach_every_request(make_store, s3_server) -> None:
+    """s3fs adds ``s3_additional_kwargs`` (here server-side encryption) to the multipart calls as to its own."""
+    opts = {**s3_server.storage_options(), "s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}
+    bucket = make_store("s3").root.split("/", 1)[0]
+    store = FsspecStore(f"s3://{bucket}/sse", storage_options=opts, tier="remote", part_size=5 * MiB)
+    try:
+        with store.open_write("enc.bin") as w:
+            w.write(_payload(11 * MiB))
+        head = store.fs.call_s3("head_object", Bucket=bucket, Key="sse/enc.bin")
+        assert head.get("ServerSideEncryption") == "AES256"
+    finally:
+        store.close()
+
+
+def test_write_concurrency_one_keeps_the_backend_file_and_bad_values_are_refused(make_store) -> None:
+    store = _store(make_store, write_concurrency=1)
+    with store.open_write("one.bin") as w:
+        assert isinstance(w, _FsspecWriteStream)
+        w.write(_payload(6 * MiB))
+    assert store.size("one.bin") == 6 * MiB
+    for bad in (0, -1, True, 2.0, "4"):
+        with pytest.raises(CheckpointError, match="write_concurrency must be a positive int"):
+            make_store("s3", name=f"bad{bad!s}", write_concurrency=bad)
+    with pytest.raises(ValueError, match="remote_write_concurrency must be an int >= 1"):
+        tierckpt.CheckpointManager(os.devnull + "-never", remote_write_concurrency=0)
+
+
+def test_other_backends_and_small_parts_keep_the_backend_file(make_store) -> None:
+    mem = make_store("memory")
+    assert mem._part_uploads is None
+    small = make_store("s3", name="small", part_size=1 * MiB)  # under S3's 5 MiB minimum: s3fs refuses it itself
+    assert small._part_uploads is None
+
+
+def test_closing_the_store_stops_its_part_threads(make_store) -> None:
+    store = _store(make_store)
+    with store.open_write("t.bin") as w:
+        w.write(_payload(11 * MiB))
+    assert any(t.name.startswith("tierckpt-remote-part") for t in threading.enumerate())
+    late = S3MultipartStream(w.fs, w.path, part_size=5 * MiB, uploads=store._part_uploads, tier="remote", url="x")
+    store.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("tierckpt-remote-part") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "part threads still running after close()"
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match="store is closed"):  # a stream outliving its store starts no thread
+        late.write(_payload(6 * MiB))
+    late.abort()
+    assert not any(t.name.startswith("tierckpt-remote-part") for t in threading.enumerate())
+
+
+def test_a_step_uploaded_in_parallel_parts_restores_from_s3_alone(tmp_path, s3_bucket, s3_server) -> None:
+    state = {"w": torch.randn(2 * MiB), "b": torch.arange(MiB, dtype=torch.float64)}  # 16 MiB: one file, 4 parts
+    url = f"{s3_bucket}/ckpt"
+    with tierckpt.CheckpointManager(tmp_path / "a", remote=url, storage_options=s3_server.storage_options(),
+                                    upload_part_mb=5, remote_write_concurrency=3) as mgr:
+        calls = _Calls(mgr.remote)
+        mgr.save(7, state)
+        mgr.wait()
+        assert mgr.remote.exists(f"{layout.step_dir(7)}/manifest.json")
+    assert calls.ops.count("create_multipart_upload") >= 1 and calls.parts >= 3
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    with tierckpt.CheckpointManager(tmp_path / "b", remote=url, storage_options=s3_server.storage_options()) as mgr2:
+        assert mgr2.restore(target) == 7
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_cli_sync_takes_write_concurrency(tmp_path, s3_bucket, s3_server, capsys) -> None:
+    from tierckpt.cli import main as cli_main
+    from tierckpt.tiers.uploader import list_steps
+
+    state = {"w": torch.randn(5 * MiB)}  # 20 MiB: more than one of the CLI's 16 MiB parts
+    with tierckpt.CheckpointManager(tmp_path / "local") as mgr:
+        mgr.save(3, state)
+    url = f"{s3_bucket}/cli"
+    ep = ["--storage-option", f"client_kwargs.endpoint_url={s3_server.endpoint_url}"]
+    assert cli_main(["sync", str(tmp_path / "local"), url, *ep, "--write-concurrency", "0"]) == 2
+    assert "--write-concurrency must be >= 1" in capsys.readouterr().err
+    assert cli_main(["sync", str(tmp_path / "local"), url, *ep, "--write-concurrency", "2", "--verify"]) == 0
+    remote = FsspecStore(url, storage_options=s3_server.storage_options())
+    try:
+        assert list_steps(remote) == {3: "committed"}
+        assert _pending_uploads(remote) == []
+        target = {"w": torch.zeros(5 * MiB)}
+        with tierckpt.CheckpointManager(tmp_path / "back", remote=url, storage_options=s3_server.storage_options()) as m:
+            assert m.restore(target) == 3
+        assert torch.equal(target["w"], state["w"])
+    finally:
+        remote.close()

@@ -1,0 +1,185 @@
+"""Uploads to S3 with several parts of a file in flight (the remote tier's data files on ``s3://``).
+
+Why: s3fs's buffered file sends a multipart upload's parts one after another, and each ``upload_part`` waits for
+its whole transfer and the reply before the caller's next bytes are even read. One connection rarely gets a node's
+bandwidth to S3, and a step's last and largest file then uploads alone on one.
+
+How (S3's multipart API through s3fs's ``call_s3``, which adds the filesystem's ``s3_additional_kwargs``, such as
+server-side encryption, to every request and retries transient errors):
+
+1. :meth:`S3MultipartStream.write` buffers bytes up to the store's part size (``bytes`` handed in whole are kept,
+   not copied). When a part is full, the multipart upload is created (on the first part) and the part goes to the
+   store's :class:`PartUploads`, whose threads send it while the caller reads and writes the next one;
+2. :meth:`S3MultipartStream.close` sends the rest as the last part, waits for every part and completes the upload
+   with the parts in order. A file smaller than one part is a single ``put_object`` instead;
+3. a failed part is raised by the stream's next ``write`` or ``close``. Any failure, and :meth:`~S3MultipartStream
+   .abort`, aborts the multipart upload, so that no parts linger (S3 bills them until then).
+
+Invariants: at most ``write_concurrency`` parts of one store are in memory beyond the streams' filling buffers
+(a permit is taken before a part is handed over and given back when its request has ended, cancelled or not); a
+part's bytes are never changed after they are handed over; the object appears under its name only at the
+completion (S3's guarantee), so an aborted or failed file never does; no part request outlives the stream's
+``close()`` or ``abort()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from ..errors import StorageError
+from .base import WriteStream
+
+log = logging.getLogger(__name__)
+
+#: Parts of one store's uploads in flight at once (their bytes in memory): at the manager's 64 MiB parts, 256 MiB.
+DEFAULT_WRITE_CONCURRENCY = 4
+
+
+def supports_parallel_parts(fs: Any, scheme: str) -> bool:
+    """Whether ``fs`` is s3fs-like: it signs and sends single S3 requests (``call_s3``) and splits paths."""
+    return scheme in ("s3", "s3a") and callable(getattr(fs, "call_s3", None)) and callable(
+        getattr(fs, "split_path", None))
+
+
+class PartUploads:
+    """A store's threads for sending parts, and the permits that bound the parts in memory.
+
+    Thread-safe; threads are started on first use and stopped by :meth:`close` (the store's ``close``).
+    """
+
+    def __init__(self, concurrency: int, tier: str) -> None:
+        self.concurrency = concurrency
+        self._permits = threading.BoundedSemaphore(concurrency)
+        self._tier = tier
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run ``fn`` on an upload thread, once fewer than ``concurrency`` parts are in flight (blocks until then)."""
+        self._permits.acquire()
+        try:
+            with self._lock:
+                if self._closed:
+                    raise StorageError("store is closed: no more uploads", tier=self._tier)
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"tierckpt-{self._tier}-part")
+                fut = self._pool.submit(fn, *args, **kwargs)
+        except BaseException:
+            self._permits.release()
+            raise
+        fut.add_done_callback(lambda _: self._permits.release())  # also when cancelled before it ran
+        return fut
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+class S3MultipartStream(WriteStream):
+    """One object uploaded as a multipart upload with parts in flight (see the module docstring)."""
+
+    def __init__(self, fs: Any, path: str, *, part_size: int, uploads: PartUploads, tier: str, url: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.part_size = part_size
+        self.uploads = uploads
+        self.tier = tier
+        self.url = url
+        self._chunks: list[bytes] = []
+        self._filled = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._done = False
+
+    # --- WriteStream ---------------------------------------------------------------------------------------------
+    def write(self, data: memoryview | bytes) -> None:
+        if self._done:
+            raise StorageError("write to a closed upload", tier=self.tier, path=self.url)
+        self._raise_failed()
+        whole = type(data) is bytes
+        view = memoryview(data).cast("B") if not whole else memoryview(data)
+        while len(view):
+            room = self.part_size - self._filled
+            if whole and not self._filled and len(view) <= room:
+                piece = data if len(view) == len(data) else bytes(view)  # the caller's bytes object, kept as is
+            else:
+                piece = bytes(view[:room])
+            self._chunks.append(piece)  # type: ignore[arg-type]
+            self._filled += len(piece)
+            view = view[len(piece):]
+            if self._filled >= self.part_size:
+                self._send()
+
+    def close(self) -> None:
+        if self._done:
+            return
+        try:
+            self._raise_failed()
+            if self._upload_id is None:  # smaller than one part: one PUT
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=self._take())
+            else:
+                if self._filled:
+                    self._send()
+                wait(self._parts)
+                parts = [f.result() for f in self._parts]  # the first failed part raises here
+                self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            self._done = True
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._invalidate()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._chunks, self._filled = [], 0
+        for f in self._parts:
+            f.cancel()
+        wait(self._parts)  # no request may still be sending after this returns
+        if self._upload_id is not None:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
+            except Exception as exc:  # the upload is being thrown away; S3's lifecycle rules remove what remains
+                log.warning("tier %s: aborting the multipart upload of %s failed: %s", self.tier, self.url, exc)
+        self._invalidate()
+
+    # --- internals -----------------------------------------------------------------------------------------------
+    def _take(self) -> bytes:
+        chunks, self._chunks, self._filled = self._chunks, [], 0
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _send(self) -> None:
+        if self._upload_id is None:
+            self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+        number = len(self._parts) + 1
+        self._parts.append(self.uploads.submit(self._upload_part, number, self._take()))
+
+    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+        out = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                              PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def _raise_failed(self) -> None:
+        for f in self._parts:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def _invalidate(self) -> None:
+        try:
+            self.fs.invalidate_cache(self.path)
+            self.fs.invalidate_cache(self.fs._parent(self.path))
+        except Exception:  # pragma: no cover - a cache that cannot be invalidated is only a missed optimisation
+            pass
+
+
+__all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "supports_parallel_parts"]
