@@ -7,6 +7,7 @@ returns ``None`` and a reason when it is missing or incomplete, and every script
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import gc
@@ -619,3 +620,22 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
         return o
 
     Path(path).write_text(json.dumps(clean(obj), indent=2) + "\n")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """The ``--dir``, ``--out`` and ``--markdown`` options every benchmark script takes."""
+    p.add_argument("--dir", help="scratch folder on a real disk (default: REPO/.bench)")
+    p.add_argument("--out", help="write results as JSON here")
+    p.add_argument("--markdown", help="write the table as Markdown here")
+
+
+def emit_table(args: argparse.Namespace, kind: str, table: str, scratch: Path, tc: ModuleType,
+               **fields: Any) -> None:
+    """Print a script's one-table report; write it as JSON (with the arguments, the machine, the library's version
+    and ``fields``) to ``args.out`` and as Markdown to ``args.markdown`` where asked."""
+    print(table)
+    if args.out:
+        write_json(args.out, {"kind": kind, "args": vars(args), **fields, "machine": machine_description(scratch),
+                              "tierckpt_version": tc.__version__, "markdown": table})
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from common import (
     GiB,
+    add_output_args,
+    emit_table,
     fresh_dir,
     import_tierckpt,
-    machine_description,
     markdown_table,
     median,
     ratio,
@@ -41,7 +42,6 @@ from common import (
     s3_loopback,
     scratch_dir,
     settle,
-    write_json,
 )
 from state import empty_like_state, gpt_state, state_bytes, tensors
 
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list-steps", type=int, default=0, metavar="N", help="also time listing N remote steps")
     p.add_argument("--file-size-mb", type=int, default=32,
                    help="data file size (moto copies a whole object for every ranged GET, S3 does not)")
-    p.add_argument("--dir", help="scratch folder on a real disk (default: REPO/.bench)")
-    p.add_argument("--out", help="write results as JSON here")
-    p.add_argument("--markdown", help="write the table as Markdown here")
+    add_output_args(p)
     a = p.parse_args(argv)
     tc, why = import_tierckpt()
     if tc is None:
@@ -203,14 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 m = median(times[(lat, case)])
                 rows.append([f"{lat * 1e3:.0f} ms", case, f"{m:.3f}", "", f"{ratio(m, base):.2f}x", ""])
                 summary[f"{lat * 1e3:.0f}ms {case}"] = {"median_s": m, "all_s": times[(lat, case)]}
-    table = markdown_table(heads, rows)
-    print(table)
-    if a.out:
-        write_json(a.out, {"kind": "remote_restore", "args": vars(a), "bytes": nbytes,
-                           "machine": machine_description(scratch), "tierckpt_version": tc.__version__,
-                           "results": summary, "markdown": table})
-    if a.markdown:
-        Path(a.markdown).write_text(table + "\n")
+    emit_table(a, "remote_restore", markdown_table(heads, rows), scratch, tc, bytes=nbytes, results=summary)
     return 0
 
 

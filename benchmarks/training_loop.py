@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from common import (
+    add_output_args,
     cpu_snapshot,
     foreign_cpu,
     fresh_dir,
@@ -315,9 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quiet-wait", type=float, default=30.0, help="wait up to this long for a quiet machine per run"
     )
     p.add_argument("--systems", help="comma list (default: all available)")
-    p.add_argument("--dir", help="scratch folder on a real disk (default: REPO/.bench)")
-    p.add_argument("--out", help="write results as JSON here")
-    p.add_argument("--markdown", help="write the table as Markdown here")
+    add_output_args(p)
     a = p.parse_args(argv)
     cfg = LoopConfig(
         vocab=a.vocab,

@@ -28,6 +28,7 @@ from typing import Any
 
 from common import (
     GiB,
+    add_output_args,
     fresh_dir,
     fsync_dir,
     import_tierckpt,
@@ -136,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-gib", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-s3", action="store_true", help="skip the S3 loopback remote")
-    p.add_argument("--dir", help="scratch folder on a real disk (default: REPO/.bench)")
-    p.add_argument("--out", help="write results as JSON here")
-    p.add_argument("--markdown", help="write the table as Markdown here")
+    add_output_args(p)
     a = p.parse_args(argv)
     tc, why = import_tierckpt()
     if tc is None:

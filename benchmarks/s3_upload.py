@@ -1,0 +1,157 @@
+"""Uploads to S3 with parts in flight (``remote_write_concurrency``) against one part at a time and a plain put.
+
+    python benchmarks/s3_upload.py [--size-gib 0.25] [--repeats 3] [--concurrency 1,4] [--emulate 0:0,25:100]
+                                   [--out s3_upload.json] [--markdown s3_upload.md]
+
+A committed local step of the benchmark state is replicated to moto's S3 server on loopback (in a process of its
+own) with the uploader's own call (``replicate_step``, what the manager runs after each save: it re-hashes the
+local files while it sends them and commits the remote step manifest last), once per write concurrency, and, as
+the peer, copied with one plain recursive ``fs.put`` of s3fs (which sends up to 10 parts of a file at once and
+checks nothing). Cases are interleaved, each into a fresh prefix.
+
+Loopback has no round trip and no per-connection limit, unlike S3, where one connection gets a fraction of a node's
+bandwidth. ``--emulate RTT_MS:MBPS`` adds both: every S3 request of this process first waits ``RTT_MS``, and a
+part or object upload waits as long as ``MBPS`` megabytes a second on one connection would take to send it (an
+``asyncio.sleep`` inside s3fs's request call, so requests in flight overlap as real ones would). ``0:0`` is
+loopback as it is. Reported: median seconds, GB/s and ratios to one part at a time and to the plain put.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    GiB,
+    add_output_args,
+    emit_table,
+    fresh_dir,
+    import_tierckpt,
+    markdown_table,
+    median,
+    ratio,
+    remove,
+    s3_loopback,
+    scratch_dir,
+    settle,
+)
+from state import gpt_state, state_bytes
+
+#: (round trip s, bytes/s per connection) in force for this process's S3 requests; (0, 0) = none
+_EMULATED: list[tuple[float, float]] = [(0.0, 0.0)]
+
+
+def _emulate_requests() -> None:
+    """Make every s3fs request (the async ``_call_s3`` and its sync twin ``call_s3``) wait as ``_EMULATED`` says."""
+    import s3fs
+    from fsspec.asyn import sync_wrapper
+
+    real = s3fs.S3FileSystem._call_s3
+
+    async def call(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        rtt, bps = _EMULATED[0]
+        body = kwargs.get("Body")
+        wait = rtt + (len(body) / bps if bps and isinstance(body, (bytes, bytearray, memoryview)) else 0.0)
+        if wait:
+            await asyncio.sleep(wait)
+        return await real(self, method, *args, **kwargs)
+
+    s3fs.S3FileSystem._call_s3 = call  # type: ignore[method-assign]
+    s3fs.S3FileSystem.call_s3 = sync_wrapper(call)  # type: ignore[method-assign]
+
+
+def upload_once(tc: Any, local: Any, step: int, url: str, opts: dict[str, Any], wc: int, part: int) -> float:
+    from tierckpt.storage.open import open_store
+    from tierckpt.tiers.uploader import replicate_step
+
+    remote = open_store(url, storage_options=opts, tier="remote", part_size=part, write_concurrency=wc)
+    try:
+        t0 = time.perf_counter()
+        replicate_step(local, remote, step, threads=4, part_size=part)
+        return time.perf_counter() - t0
+    finally:
+        remote.close()
+
+
+def plain_put(folder: Path, url: str, opts: dict[str, Any]) -> float:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+    t0 = time.perf_counter()
+    fs.put(str(folder), url, recursive=True)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-gib", type=float, default=0.25)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", default="1,4", help="remote_write_concurrency values, comma-separated")
+    p.add_argument("--emulate", default="0:0,25:100", help="RTT_MS:MBPS per connection, comma-separated")
+    p.add_argument("--part-mb", type=int, default=64, help="part size (the manager's upload_part_mb)")
+    add_output_args(p)
+    a = p.parse_args(argv)
+    tc, why = import_tierckpt()
+    if tc is None:
+        print(f"s3 upload benchmark skipped: {why}")
+        return 0
+    from tierckpt.format import layout
+    from tierckpt.storage.local import LocalStore
+
+    emulations = [(float(r) / 1e3, float(m) * 1e6) for r, m in (x.split(":") for x in a.emulate.split(",") if x)]
+    wcs = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    scratch = scratch_dir(a.dir)
+    state = gpt_state(int(a.size_gib * GiB))
+    nbytes = state_bytes(state)
+    cases = [f"tierckpt wc={wc}" for wc in wcs] + ["plain fs.put"]
+    times: dict[tuple[tuple[float, float], str], list[float]] = {(e, c): [] for e in emulations for c in cases}
+    d = fresh_dir(scratch, "s3up-local")
+    _emulate_requests()
+    try:
+        with tc.CheckpointManager(d) as mgr:
+            mgr.save(1, state)
+        del state
+        local = LocalStore(d, tier="local")
+        folder = d / layout.step_dir(1)
+        n = 0
+        with s3_loopback(own_process=True) as s3:
+            opts = s3["storage_options"]
+            for r in range(a.repeats):
+                for emu in emulations:
+                    _EMULATED[0] = emu
+                    for case in cases[r % len(cases):] + cases[: r % len(cases)]:
+                        settle()
+                        n += 1
+                        url = f"s3://{s3['bucket']}/up{n}"
+                        if case == "plain fs.put":
+                            t = plain_put(folder, url, opts)
+                        else:
+                            t = upload_once(tc, local, 1, url, opts, int(case.split("=")[1]), a.part_mb << 20)
+                        times[(emu, case)].append(t)
+                        print(f"[{time.strftime('%H:%M:%S')}] repeat {r + 1}/{a.repeats} emulate "
+                              f"{emu[0] * 1e3:.0f} ms {emu[1] / 1e6:.0f} MB/s {case}: {t:.3f} s",
+                              file=sys.stderr, flush=True)
+            _EMULATED[0] = (0.0, 0.0)
+    finally:
+        remove(d)
+    heads = ["emulated round trip, per-connection MB/s", "case", "median s", "GB/s", "vs wc=1", "vs plain fs.put"]
+    rows, summary = [], {}
+    for emu in emulations:
+        label = "none (loopback)" if emu == (0.0, 0.0) else f"{emu[0] * 1e3:.0f} ms, {emu[1] / 1e6:.0f} MB/s"
+        base = median(times[(emu, f"tierckpt wc={wcs[0]}")])
+        plain = median(times[(emu, "plain fs.put")])
+        for case in cases:
+            m = median(times[(emu, case)])
+            rows.append([label, case, f"{m:.3f}", f"{nbytes / m / 1e9:.2f}", f"{ratio(m, base):.2f}x",
+                         f"{ratio(m, plain):.2f}x"])
+            summary[f"{label} {case}"] = {"median_s": m, "all_s": times[(emu, case)]}
+    emit_table(a, "s3_upload", markdown_table(heads, rows), scratch, tc, bytes=nbytes, results=summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
