@@ -266,3 +266,52 @@ def test_cli_sync_takes_write_concurrency(tmp_path, s3_bucket, s3_server, capsys
         assert torch.equal(target["w"], state["w"])
     finally:
         remote.close()
+
+
+def test_the_uploader_retries_a_file_whose_part_failed(tmp_path, make_store) -> None:
+    """A part request that fails transiently fails that file's attempt; the uploader retries the file, the step is
+    committed with exact bytes, and the failed attempt's multipart upload is gone."""
+    from tierckpt.storage.local import LocalStore
+    from tierckpt.storage.retry import RetryPolicy
+    from tierckpt.tiers.uploader import list_steps, replicate_step
+
+    state = {"w": torch.randn(3 * MiB)}  # 12 MiB: one file, 3 parts of 5 MiB
+    with tierckpt.CheckpointManager(tmp_path / "local") as mgr:
+        mgr.save(4, state)
+    remote = _store(make_store, write_concurrency=2)
+    calls = _Calls(remote, delay=0.02, fail_part=2)
+    real = calls.__call__
+
+    def transient(method: str, *args, **kwargs):
+        try:
+            return real(method, *args, **kwargs)
+        except OSError as exc:
+            raise ConnectionError(str(exc)) from None  # what a dropped connection looks like
+
+    remote.fs.call_s3 = transient
+    res = replicate_step(LocalStore(tmp_path / "local", tier="local"), remote, 4, part_size=5 * MiB,
+                         retry=RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.01), verify=True)
+    assert res.retries == 1
+    assert calls.ops.count("abort_multipart_upload") == 1 and calls.ops.count("complete_multipart_upload") == 1
+    assert list_steps(remote) == {4: "committed"}
+    assert _pending_uploads(remote) == []
+
+
+def test_an_upload_with_a_checksum_algorithm_names_each_parts_checksum(make_store, s3_server) -> None:
+    """With ``ChecksumAlgorithm`` in ``s3_additional_kwargs`` S3 creates the upload with that algorithm, and the
+    completion must carry every part's checksum of it."""
+    opts = {**s3_server.storage_options(), "s3_additional_kwargs": {"ChecksumAlgorithm": "SHA256"}}
+    bucket = make_store("s3").root.split("/", 1)[0]
+    store = FsspecStore(f"s3://{bucket}/sums", storage_options=opts, tier="remote", part_size=5 * MiB)
+    try:
+        calls = _Calls(store)
+        data = _payload(11 * MiB)
+        with store.open_write("sum.bin") as w:
+            w.write(data)
+        complete = calls.kwargs[calls.ops.index("complete_multipart_upload")]
+        parts = complete["MultipartUpload"]["Parts"]
+        assert [p["PartNumber"] for p in parts] == [1, 2, 3]
+        assert all(p.get("ChecksumSHA256") for p in parts), parts
+        assert store.read_bytes("sum.bin", max_size=len(data)) == data
+    finally:
+        store.close()

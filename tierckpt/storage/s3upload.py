@@ -95,6 +95,7 @@ class S3MultipartStream(WriteStream):
         self._chunks: list[bytes] = []
         self._filled = 0
         self._upload_id: str | None = None
+        self._checksum_key = "ChecksumSHA256"
         self._parts: list[Future[dict[str, Any]]] = []
         self._done = False
 
@@ -160,14 +161,22 @@ class S3MultipartStream(WriteStream):
 
     def _send(self) -> None:
         if self._upload_id is None:
-            self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+            out = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            self._upload_id = out["UploadId"]
+            # an upload created with a checksum algorithm (the user's s3_additional_kwargs) must name each part's
+            # checksum of it at completion; s3fs forwards a SHA-256 one when a part's reply has it, and so do we
+            algo = out.get("ChecksumAlgorithm")
+            self._checksum_key = f"Checksum{algo}" if algo else "ChecksumSHA256"
         number = len(self._parts) + 1
         self._parts.append(self.uploads.submit(self._upload_part, number, self._take()))
 
     def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
         out = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
                               PartNumber=number, Body=body)
-        return {"PartNumber": number, "ETag": out["ETag"]}
+        part = {"PartNumber": number, "ETag": out["ETag"]}
+        if self._checksum_key in out:
+            part[self._checksum_key] = out[self._checksum_key]
+        return part
 
     def _raise_failed(self) -> None:
         for f in self._parts:
