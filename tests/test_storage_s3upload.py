@@ -315,3 +315,19 @@ def test_an_upload_with_a_checksum_algorithm_names_each_parts_checksum(make_stor
         assert store.read_bytes("sum.bin", max_size=len(data)) == data
     finally:
         store.close()
+
+
+def test_more_parts_than_s3_numbers_is_refused_and_aborted(make_store, monkeypatch) -> None:
+    from tierckpt.storage import s3upload
+
+    monkeypatch.setattr(s3upload, "MAX_PARTS", 2)
+    store = _store(make_store)
+    w = store.open_write("big.bin")
+    with pytest.raises(CheckpointError, match="more than S3's 2 parts of 5 MiB") as info:
+        try:
+            w.write(_payload(16 * MiB))
+        except BaseException:
+            w.abort()
+            raise
+    assert info.value.path and info.value.path.endswith("big.bin")
+    assert not store.exists("big.bin") and _pending_uploads(store) == []

@@ -34,6 +34,8 @@ from .base import WriteStream
 
 log = logging.getLogger(__name__)
 
+#: S3 numbers a multipart upload's parts 1 to 10,000.
+MAX_PARTS = 10_000
 #: Parts of one store's uploads in flight at once (their bytes in memory): at the manager's 64 MiB parts, 256 MiB.
 DEFAULT_WRITE_CONCURRENCY = 4
 
@@ -168,6 +170,10 @@ class S3MultipartStream(WriteStream):
             algo = out.get("ChecksumAlgorithm")
             self._checksum_key = f"Checksum{algo}" if algo else "ChecksumSHA256"
         number = len(self._parts) + 1
+        if number > MAX_PARTS:
+            raise StorageError(f"more than S3's {MAX_PARTS} parts of {self.part_size >> 20} MiB in one file: raise "
+                               "the part size (upload_part_mb) or lower the file size (file_size_mb)", tier=self.tier,
+                               path=self.url)
         self._parts.append(self.uploads.submit(self._upload_part, number, self._take()))
 
     def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
