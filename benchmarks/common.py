@@ -639,3 +639,17 @@ def emit_table(args: argparse.Namespace, kind: str, table: str, scratch: Path, t
                               "tierckpt_version": tc.__version__, "markdown": table})
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
+
+
+def case_rows(label: str, runs: dict[str, list[float]], base: str, peer: str, nbytes: int,
+              summary: dict[str, Any]) -> list[list[str]]:
+    """Table rows for one setting (``label``) of a script that times cases against one another: each case's median
+    seconds, GB/s over ``nbytes``, and its ratio to the ``base`` case and to the ``peer`` case; each case's median and
+    all its times also go into ``summary`` under ``"<label> <case>"``."""
+    b, p = median(runs[base]), median(runs[peer])
+    rows = []
+    for case, times in runs.items():
+        m = median(times)
+        rows.append([label, case, f"{m:.3f}", f"{nbytes / m / 1e9:.2f}", f"{ratio(m, b):.2f}x", f"{ratio(m, p):.2f}x"])
+        summary[f"{label} {case}"] = {"median_s": m, "all_s": times}
+    return rows

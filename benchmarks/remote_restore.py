@@ -32,6 +32,7 @@ import torch
 from common import (
     GiB,
     add_output_args,
+    case_rows,
     emit_table,
     fresh_dir,
     import_tierckpt,
@@ -184,15 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if not all(map(torch.equal, tensors(dst), tensors(state))):
         raise RuntimeError("the restored state differs from the saved one")
     heads = ["emulated round trip", "case", "median s", "GB/s", "vs rc=1", "vs plain GET"]
-    rows, summary = [], {}
+    rows: list[list[str]] = []
+    summary: dict[str, Any] = {}
     for lat in latencies:
-        base = median(times[(lat, f"tierckpt rc={rcs[0]}")])
-        plain = median(times[(lat, "plain GET")])
-        for case in cases:
-            m = median(times[(lat, case)])
-            rows.append([f"{lat * 1e3:.0f} ms", case, f"{m:.3f}", f"{nbytes / m / 1e9:.2f}",
-                         f"{ratio(m, base):.2f}x", f"{ratio(m, plain):.2f}x"])
-            summary[f"{lat * 1e3:.0f}ms {case}"] = {"median_s": m, "all_s": times[(lat, case)]}
+        rows += case_rows(f"{lat * 1e3:.0f} ms", {c: times[(lat, c)] for c in cases}, f"tierckpt rc={rcs[0]}",
+                          "plain GET", nbytes, summary)
     if a.list_steps:
         for lat in latencies:
             base = median(times[(lat, f"list {a.list_steps} steps rc={rcs[0]}")])

@@ -28,12 +28,11 @@ from typing import Any
 from common import (
     GiB,
     add_output_args,
+    case_rows,
     emit_table,
     fresh_dir,
     import_tierckpt,
     markdown_table,
-    median,
-    ratio,
     remove,
     s3_loopback,
     scratch_dir,
@@ -139,16 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         remove(d)
     heads = ["emulated round trip, per-connection MB/s", "case", "median s", "GB/s", "vs wc=1", "vs plain fs.put"]
-    rows, summary = [], {}
+    rows: list[list[str]] = []
+    summary: dict[str, Any] = {}
     for emu in emulations:
         label = "none (loopback)" if emu == (0.0, 0.0) else f"{emu[0] * 1e3:.0f} ms, {emu[1] / 1e6:.0f} MB/s"
-        base = median(times[(emu, f"tierckpt wc={wcs[0]}")])
-        plain = median(times[(emu, "plain fs.put")])
-        for case in cases:
-            m = median(times[(emu, case)])
-            rows.append([label, case, f"{m:.3f}", f"{nbytes / m / 1e9:.2f}", f"{ratio(m, base):.2f}x",
-                         f"{ratio(m, plain):.2f}x"])
-            summary[f"{label} {case}"] = {"median_s": m, "all_s": times[(emu, case)]}
+        rows += case_rows(label, {c: times[(emu, c)] for c in cases}, f"tierckpt wc={wcs[0]}", "plain fs.put", nbytes,
+                          summary)
     emit_table(a, "s3_upload", markdown_table(heads, rows), scratch, tc, bytes=nbytes, results=summary)
     return 0
 
