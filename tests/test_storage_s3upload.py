@@ -161,6 +161,26 @@ def test_abort_leaves_no_object_and_no_upload(make_store) -> None:
 def test_parts_in_memory_are_bounded_by_the_store(make_store) -> None:
     store = _store(make_store, write_concurrency=2)
     calls = _Calls(store, delay=0.1)
+    uploads = store._part_uploads
+    assert uploads is not None
+    held = {"now": 0, "most": 0}
+    lock = threading.Lock()
+    submit = uploads.submit
+
+    def counting_submit(fn, *args, **kwargs):  # parts handed over and not yet ended: their bytes are in memory
+        fut = submit(fn, *args, **kwargs)
+        with lock:
+            held["now"] += 1
+            held["most"] = max(held["most"], held["now"])
+
+        def ended(_):
+            with lock:
+                held["now"] -= 1
+
+        fut.add_done_callback(ended)
+        return fut
+
+    uploads.submit = counting_submit
     streams = [store.open_write(f"m{i}.bin") for i in range(2)]
 
     def fill(w) -> None:
@@ -174,6 +194,7 @@ def test_parts_in_memory_are_bounded_by_the_store(make_store) -> None:
     for t in threads:
         t.join()
     assert calls.parts == 8 and calls.most <= 2  # two files, one store: 2 parts in flight at most
+    assert held["most"] <= 2  # and never more than 2 parts' bytes handed over (writers wait for a permit)
     assert all(store.size(f"m{i}.bin") == 20 * MiB for i in range(2))
 
 
@@ -297,10 +318,11 @@ def test_the_uploader_retries_a_file_whose_part_failed(tmp_path, make_store) -> 
     assert _pending_uploads(remote) == []
 
 
-def test_an_upload_with_a_checksum_algorithm_names_each_parts_checksum(make_store, s3_server) -> None:
+@pytest.mark.parametrize("algo", ["SHA256", "CRC32", "SHA1"])
+def test_an_upload_with_a_checksum_algorithm_names_each_parts_checksum(make_store, s3_server, algo: str) -> None:
     """With ``ChecksumAlgorithm`` in ``s3_additional_kwargs`` S3 creates the upload with that algorithm, and the
     completion must carry every part's checksum of it."""
-    opts = {**s3_server.storage_options(), "s3_additional_kwargs": {"ChecksumAlgorithm": "SHA256"}}
+    opts = {**s3_server.storage_options(), "s3_additional_kwargs": {"ChecksumAlgorithm": algo}}
     bucket = make_store("s3").root.split("/", 1)[0]
     store = FsspecStore(f"s3://{bucket}/sums", storage_options=opts, tier="remote", part_size=5 * MiB)
     try:
@@ -311,7 +333,7 @@ def test_an_upload_with_a_checksum_algorithm_names_each_parts_checksum(make_stor
         complete = calls.kwargs[calls.ops.index("complete_multipart_upload")]
         parts = complete["MultipartUpload"]["Parts"]
         assert [p["PartNumber"] for p in parts] == [1, 2, 3]
-        assert all(p.get("ChecksumSHA256") for p in parts), parts
+        assert all(p.get(f"Checksum{algo}") for p in parts), parts
         assert store.read_bytes("sum.bin", max_size=len(data)) == data
     finally:
         store.close()
@@ -331,3 +353,66 @@ def test_more_parts_than_s3_numbers_is_refused_and_aborted(make_store, monkeypat
             raise
     assert info.value.path and info.value.path.endswith("big.bin")
     assert not store.exists("big.bin") and _pending_uploads(store) == []
+
+
+def test_a_failed_part_is_freed_without_the_garbage_collector(make_store) -> None:
+    """The failed part's exception holds its frame (the stream and the part's bytes): once the caller drops the
+    exception and the stream is aborted, reference counting alone frees them."""
+    import gc
+    import weakref
+
+    store = _store(make_store, write_concurrency=2)
+    _Calls(store, delay=0.02, fail_part=1)
+    gc.collect()
+    gc.disable()
+    try:
+        w = store.open_write("leak.bin")
+        try:
+            for _ in range(4):
+                w.write(_payload(5 * MiB))
+            w.close()
+        except OSError:
+            pass
+        w.abort()
+        ref = weakref.ref(w)
+        del w
+        assert ref() is None, "the aborted stream is only freed by the garbage collector"
+    finally:
+        gc.enable()
+
+
+def test_closing_the_store_does_not_wait_for_parts_in_flight(make_store) -> None:
+    """A manager's ``close(timeout=)`` gives up on a stalled upload and then closes the store: that must return at
+    once; the stream's own ``abort()`` is what waits for its part."""
+    store = _store(make_store, write_concurrency=2)
+    calls = _Calls(store, delay=1.5)
+    w = store.open_write("slow.bin")
+    w.write(_payload(5 * MiB))  # one part handed over, sending for 1.5 s
+    t0 = time.monotonic()
+    store.close()
+    assert time.monotonic() - t0 < 0.5
+    w.abort()
+    assert calls.in_flight == 0 and calls.ops[-1] == "abort_multipart_upload"
+
+
+def test_a_completion_whose_reply_is_lost_is_removed_by_abort(make_store) -> None:
+    """S3 carried out the completion but the caller saw an error: the object exists, and the failed file must not
+    stay under its name."""
+    store = _store(make_store)
+    calls = _Calls(store)
+    real = calls.__call__
+
+    def lost_reply(method: str, *args, **kwargs):
+        out = real(method, *args, **kwargs)
+        if method == "complete_multipart_upload":
+            raise ConnectionError("reply lost")
+        return out
+
+    store.fs.call_s3 = lost_reply
+    w = store.open_write("lost.bin")
+    w.write(_payload(7 * MiB))
+    with pytest.raises(ConnectionError, match="reply lost"):
+        w.close()
+    assert not store.exists("lost.bin")
+    with pytest.raises(CheckpointError, match="aborted upload"):
+        w.close()  # a close after the failure does not pretend the file is durable

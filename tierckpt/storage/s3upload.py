@@ -18,8 +18,10 @@ server-side encryption, to every request and retries transient errors):
 Invariants: at most ``write_concurrency`` parts of one store are in memory beyond the streams' filling buffers
 (a permit is taken before a part is handed over and given back when its request has ended, cancelled or not); a
 part's bytes are never changed after they are handed over; the object appears under its name only at the
-completion (S3's guarantee), so an aborted or failed file never does; no part request outlives the stream's
-``close()`` or ``abort()``.
+completion (S3's guarantee), and an aborted or failed file whose completion may have reached S3 is removed; no part
+request outlives the stream's ``close()`` or ``abort()``. A stream belongs to the thread that writes it (the
+uploader's file thread); only its parts run elsewhere. Closing the store refuses new parts at once and does not
+wait for those in flight: their streams do.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class PartUploads:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn`` on an upload thread, once fewer than ``concurrency`` parts are in flight (blocks until then)."""
         self._permits.acquire()
@@ -77,10 +83,13 @@ class PartUploads:
         return fut
 
     def close(self) -> None:
+        """Refuse new parts and let the threads end after the parts they are sending; returns at once (each
+        stream's own ``close()``/``abort()`` waits for its parts, so a manager's ``close(timeout=)`` is not held
+        up by a stalled request here)."""
         with self._lock:
             pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class S3MultipartStream(WriteStream):
@@ -100,6 +109,8 @@ class S3MultipartStream(WriteStream):
         self._checksum_key = "ChecksumSHA256"
         self._parts: list[Future[dict[str, Any]]] = []
         self._done = False
+        self._aborted = False
+        self._finishing = False  # the completion (or the single PUT) was sent: the object may exist
 
     # --- WriteStream ---------------------------------------------------------------------------------------------
     def write(self, data: memoryview | bytes) -> None:
@@ -121,20 +132,27 @@ class S3MultipartStream(WriteStream):
                 self._send()
 
     def close(self) -> None:
+        if self._aborted:
+            raise StorageError("close() of an aborted upload", tier=self.tier, path=self.url)
         if self._done:
             return
         try:
             self._raise_failed()
             if self._upload_id is None:  # smaller than one part: one PUT
-                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=self._take())
+                body = self._take()
+                self._finishing = True
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)
             else:
                 if self._filled:
                     self._send()
                 wait(self._parts)
-                parts = [f.result() for f in self._parts]  # the first failed part raises here
+                self._raise_failed()  # the first failed part, in part order
+                parts = [f.result() for f in self._parts]
+                self._finishing = True
                 self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key,
                                 UploadId=self._upload_id, MultipartUpload={"Parts": parts})
             self._done = True
+            self._parts = []  # their results hold nothing large, but nothing needs them any more
         except BaseException:
             self.abort()
             raise
@@ -142,18 +160,29 @@ class S3MultipartStream(WriteStream):
             self._invalidate()
 
     def abort(self) -> None:
+        """Discard the file: wait for the parts in flight, abort the multipart upload, and remove the object if a
+        completion may have reached S3. Like every method here, for the thread that writes the stream."""
         if self._done:
             return
-        self._done = True
+        self._done = self._aborted = True
         self._chunks, self._filled = [], 0
         for f in self._parts:
             f.cancel()
         wait(self._parts)  # no request may still be sending after this returns
+        # a failed part's exception holds its frame, and so its bytes, in a reference cycle: drop it now
+        self._parts = []
         if self._upload_id is not None:
             try:
                 self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
             except Exception as exc:  # the upload is being thrown away; S3's lifecycle rules remove what remains
                 log.warning("tier %s: aborting the multipart upload of %s failed: %s", self.tier, self.url, exc)
+        if self._finishing:  # e.g. a completion that S3 carried out but whose reply was lost
+            try:
+                self.fs.rm_file(self.path)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                log.warning("tier %s: removing aborted %s failed: %s", self.tier, self.url, exc)
         self._invalidate()
 
     # --- internals -----------------------------------------------------------------------------------------------
@@ -162,6 +191,8 @@ class S3MultipartStream(WriteStream):
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _send(self) -> None:
+        if self.uploads.closed:
+            raise StorageError("store is closed: no more uploads", tier=self.tier, path=self.url)
         if self._upload_id is None:
             out = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
             self._upload_id = out["UploadId"]
@@ -185,9 +216,13 @@ class S3MultipartStream(WriteStream):
         return part
 
     def _raise_failed(self) -> None:
-        for f in self._parts:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+        """Raise the first failed part's exception (see :func:`_reraise` for why no local may keep its future)."""
+        failed = next((f for f in self._parts if f.done() and not f.cancelled() and f.exception() is not None), None)
+        if failed is not None:
+            try:
+                _reraise(failed)
+            finally:
+                failed = None
 
     def _invalidate(self) -> None:
         try:
@@ -195,6 +230,17 @@ class S3MultipartStream(WriteStream):
             self.fs.invalidate_cache(self.fs._parent(self.path))
         except Exception:  # pragma: no cover - a cache that cannot be invalidated is only a missed optimisation
             pass
+
+
+def _reraise(failed: Future[Any]) -> None:
+    """Raise a failed part's exception without a frame of ours holding its future: the exception's traceback holds
+    the part's frame and bytes, and a future held by a frame in that traceback would keep them in a cycle that only
+    the garbage collector frees (a part, 64 MiB by default, per failed attempt)."""
+    exc = failed.exception()
+    try:
+        raise exc  # type: ignore[misc]
+    finally:
+        exc = failed = None  # type: ignore[assignment]
 
 
 __all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "supports_parallel_parts"]
