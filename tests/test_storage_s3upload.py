@@ -416,3 +416,9 @@ def test_a_completion_whose_reply_is_lost_is_removed_by_abort(make_store) -> Non
     assert not store.exists("lost.bin")
     with pytest.raises(CheckpointError, match="aborted upload"):
         w.close()  # a close after the failure does not pretend the file is durable
+
+
+@pytest.mark.parametrize("mb", [4, 5121])
+def test_upload_part_mb_outside_s3s_part_sizes_is_refused(tmp_path, mb: int) -> None:
+    with pytest.raises(ValueError, match="upload_part_mb must be between 5 and 5120"):
+        tierckpt.CheckpointManager(tmp_path, upload_part_mb=mb)

@@ -48,8 +48,9 @@ class Options:
         pos_int("upload_part_mb")
         pos_int("remote_read_concurrency")
         pos_int("remote_write_concurrency")
-        if self.upload_part_mb < 5:
-            raise ValueError(f"upload_part_mb must be >= 5 (the S3 multipart minimum), got {self.upload_part_mb!r}")
+        if not 5 <= self.upload_part_mb <= 5120:
+            raise ValueError(f"upload_part_mb must be between 5 and 5120 (S3's smallest and largest part), got "
+                             f"{self.upload_part_mb!r}")
         for name in ("upload_bandwidth_mbps", "upload_deadline_s", "collective_timeout_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
