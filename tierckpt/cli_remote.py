@@ -353,10 +353,13 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, errors: list[str]) 
 
     if args.dry_run:
         found = list_root(store).incomplete
+        uploads = store.discard_unfinished_uploads(dry_run=True)
         if not args.json:
             for name in found:
                 print(f"would remove leftover {_url(store, name)}")
-        return found
+            for line in uploads:
+                print(line)
+        return found + uploads
     try:
         actions = protocol_for(store).recover(store)
     except (CheckpointError, OSError) as exc:

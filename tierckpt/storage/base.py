@@ -174,5 +174,12 @@ class Store(abc.ABC):
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - optional hook
         """Make the folder's entries durable (POSIX fsync of the directory); a no-op where it means nothing."""
 
+    def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
+        """Abort the uploads under the root that were started and never completed or aborted (S3's multipart
+        uploads of a writer that was killed: invisible, but stored and billed), or with ``dry_run`` only name them;
+        returns a line per upload. Only safe while nothing writes to the root (``tierckpt prune --leftovers``).
+        Stores without such uploads have none."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads."""

@@ -122,7 +122,7 @@ class ManifestLastCommit(CommitProtocol):
             pass
 
     def recover(self, store: Store) -> list[str]:
-        actions = []
+        actions = store.discard_unfinished_uploads()  # a killed writer's multipart uploads: never part of a step
         for name in store.list(""):
             step = layout.parse_step_dir(name)
             if step is None:

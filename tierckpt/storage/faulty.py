@@ -238,6 +238,9 @@ class FaultyStore(Store):
         self.plan.hit("sync_dir")
         self.inner.sync_dir(rel)
 
+    def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
+        return self.inner.discard_unfinished_uploads(dry_run=dry_run)
+
     def close(self) -> None:
         self.inner.close()
 

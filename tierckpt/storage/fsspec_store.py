@@ -33,7 +33,13 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, StorageError
 from .base import Store, WriteStream, join
-from .s3upload import DEFAULT_WRITE_CONCURRENCY, PartUploads, S3MultipartStream, supports_parallel_parts
+from .s3upload import (
+    DEFAULT_WRITE_CONCURRENCY,
+    PartUploads,
+    S3MultipartStream,
+    supports_parallel_parts,
+    unfinished_uploads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +366,17 @@ class FsspecStore(Store):
             pass
         finally:
             self._invalidate(p)
+
+    def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
+        if not supports_parallel_parts(self.fs, self.scheme):
+            return []
+        lines = []
+        for bucket, key, upload_id in unfinished_uploads(self.fs, self.root):
+            where = f"{self.url}/{key[len(self.fs.split_path(self.root)[1]):].lstrip('/')}"
+            if not dry_run:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            lines.append(f"{'would abort' if dry_run else 'aborted'} the unfinished upload of {where}")
+        return lines
 
     def close(self) -> None:
         if self._part_uploads is not None:

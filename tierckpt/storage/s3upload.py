@@ -232,6 +232,21 @@ class S3MultipartStream(WriteStream):
             pass
 
 
+def unfinished_uploads(fs: Any, root: str, *, page_size: int = 1000) -> list[tuple[str, str, str]]:
+    """(bucket, key, upload id) of every multipart upload in progress under folder ``root`` (``bucket/prefix``),
+    all pages of S3's listing (``page_size`` uploads a request, S3's most)."""
+    bucket, prefix, _ = fs.split_path(root)
+    prefix = prefix.rstrip("/") + "/" if prefix else ""  # run-4/ must not match run-42/
+    found: list[tuple[str, str, str]] = []
+    markers: dict[str, str] = {}
+    while True:
+        out = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, MaxUploads=page_size, **markers)
+        found += [(bucket, u["Key"], u["UploadId"]) for u in out.get("Uploads", [])]
+        if not out.get("IsTruncated"):
+            return found
+        markers = {"KeyMarker": out["NextKeyMarker"], "UploadIdMarker": out["NextUploadIdMarker"]}
+
+
 def _reraise(failed: Future[Any]) -> None:
     """Raise a failed part's exception without a frame of ours holding its future: the exception's traceback holds
     the part's frame and bytes, and a future held by a frame in that traceback would keep them in a cycle that only
@@ -243,4 +258,5 @@ def _reraise(failed: Future[Any]) -> None:
         exc = failed = None  # type: ignore[assignment]
 
 
-__all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "supports_parallel_parts"]
+__all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "supports_parallel_parts",
+           "unfinished_uploads"]
