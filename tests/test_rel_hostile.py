@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from helpers_core import data_files, rank_manifests, step_path
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tierckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, cli
@@ -607,6 +607,9 @@ def _raw(i: int) -> torch.Tensor:
 
 @FUZZ
 @given(json_values, st.booleans())
+@example({"$dict": [[[], None]]}, False)  # a list as a dict key: once a TypeError from the planner
+@example({"$dict": [[{"$tuple": [[]]}, 1]]}, True)
+@example({"$set": [[]]}, False)  # a list in a set: once a TypeError from the decoder
 def test_fuzz_tree_decoder(tree: Any, strict: bool) -> None:
     state: dict[str, Any] = {"w": torch.zeros(4), "a": 0, "n": {"x": 1}, "l": [1, 2]}
     try:

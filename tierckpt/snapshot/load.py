@@ -107,7 +107,12 @@ class _Decoder:
             if not isinstance(node[tag], list):
                 raise self.bad(f"bad {tag}")
             vals = [self.decode(v, own=own, depth=depth + 1) for v in node[tag]]
-            return tuple(vals) if tag == "$tuple" else set(vals)
+            if tag == "$tuple":
+                return tuple(vals)
+            try:
+                return set(vals)
+            except TypeError:  # a list inside: no saved set holds one
+                raise self.bad("unhashable set item") from None
         if tag == "$tensor":
             i = self.index(node, tag, "torch")
             t = self.tensor(i)
@@ -236,7 +241,14 @@ class _Checker:
     def key(self, node: Any) -> Any:
         """A saved dict key (str and int keys are stored as themselves)."""
         tk = type(node)
-        return node if tk is str or tk is int else self._keys.decode(node, own=True)
+        if tk is str or tk is int:
+            return node
+        key = self._keys.decode(node, own=True)
+        try:
+            hash(key)
+        except TypeError:  # a list: no saved dict has such a key
+            raise CorruptCheckpointError("malformed state tree: unhashable dict key", step=self.step) from None
+        return key
 
     def add_direct(self, live: Any, rec: TensorRecord, *, checked: bool = False) -> bool:
         """Make ``live`` the record's direct target where it can be (``checked``: see :func:`direct_target`);
