@@ -62,6 +62,15 @@ class _Decoder:
             raise self.bad(f"bad {tag} reference {i!r}")
         return i
 
+    def key(self, node: Any, depth: int = 0) -> Any:
+        """A saved dict key: anything hashable that :meth:`decode` gives (a list is no key of any state)."""
+        key = self.decode(node, own=True, depth=depth)
+        try:
+            hash(key)
+        except TypeError:
+            raise self.bad("unhashable dict key") from None
+        return key
+
     def decode(self, node: Any, *, own: bool, depth: int = 0) -> Any:
         """``own``: copy tensors out of the loading buffers (for values the caller keeps)."""
         if depth > MAX_DEPTH:
@@ -96,12 +105,7 @@ class _Decoder:
             cls = collections.OrderedDict if tag == "$odict" else dict
             out = cls()
             for k, v in items:
-                key = self.decode(k, own=True, depth=depth + 1)
-                try:
-                    hash(key)
-                except TypeError:
-                    raise self.bad("unhashable dict key") from None
-                out[key] = self.decode(v, own=own, depth=depth + 1)
+                out[self.key(k, depth + 1)] = self.decode(v, own=own, depth=depth + 1)
             return out
         if tag in ("$tuple", "$set"):
             if not isinstance(node[tag], list):
@@ -241,14 +245,7 @@ class _Checker:
     def key(self, node: Any) -> Any:
         """A saved dict key (str and int keys are stored as themselves)."""
         tk = type(node)
-        if tk is str or tk is int:
-            return node
-        key = self._keys.decode(node, own=True)
-        try:
-            hash(key)
-        except TypeError:  # a list: no saved dict has such a key
-            raise CorruptCheckpointError("malformed state tree: unhashable dict key", step=self.step) from None
-        return key
+        return node if tk is str or tk is int else self._keys.key(node)
 
     def add_direct(self, live: Any, rec: TensorRecord, *, checked: bool = False) -> bool:
         """Make ``live`` the record's direct target where it can be (``checked``: see :func:`direct_target`);

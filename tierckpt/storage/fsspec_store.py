@@ -37,6 +37,8 @@ from .s3upload import (
     DEFAULT_WRITE_CONCURRENCY,
     PartUploads,
     S3MultipartStream,
+    invalidate,
+    remove_quietly,
     supports_parallel_parts,
     unfinished_uploads,
 )
@@ -138,13 +140,7 @@ class _FsspecWriteStream(WriteStream):
                 f.close()
         except Exception as exc:  # the upload is being thrown away; a failure to discard it is only logged
             log.warning("tier %s: discarding upload %s failed: %s", self.store.tier, self.store.display(self.rel), exc)
-        try:
-            self.store.fs.rm_file(self.path)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            log.warning("tier %s: removing aborted %s failed: %s", self.store.tier, self.store.display(self.rel), exc)
-        self.store._invalidate(self.path)
+        remove_quietly(self.store.fs, self.path, self.store.tier, self.store.display(self.rel))
 
 
 class _RangeReader(io.RawIOBase):
@@ -211,13 +207,10 @@ class FsspecStore(Store):
         self.part_size = int(part_size)
         if self.part_size <= 0:
             raise CheckpointError(f"part_size must be positive, got {part_size}", tier=tier, path=self.url)
-        if isinstance(read_concurrency, bool) or not isinstance(read_concurrency, int) or read_concurrency < 1:
-            raise CheckpointError(f"read_concurrency must be a positive int, got {read_concurrency!r}", tier=tier,
-                                  path=self.url)
+        for name, value in (("read_concurrency", read_concurrency), ("write_concurrency", write_concurrency)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"{name} must be a positive int, got {value!r}", tier=tier, path=self.url)
         self.read_concurrency = read_concurrency
-        if isinstance(write_concurrency, bool) or not isinstance(write_concurrency, int) or write_concurrency < 1:
-            raise CheckpointError(f"write_concurrency must be a positive int, got {write_concurrency!r}", tier=tier,
-                                  path=self.url)
         self.write_concurrency = write_concurrency
         scheme = _scheme(url)
         if fs is None:
@@ -231,8 +224,9 @@ class FsspecStore(Store):
         if not self.root or self.root in ("/", ""):
             # refusing a bare bucket-less root keeps remove() and recover() away from a whole file system
             raise CheckpointError("a remote tier needs a folder, not the file system's root", tier=tier, path=self.url)
-        self._part_uploads = (PartUploads(write_concurrency, tier) if write_concurrency > 1
-                              and self.part_size >= S3_MIN_PART and supports_parallel_parts(fs, scheme) else None)
+        self._s3_requests = supports_parallel_parts(fs, scheme)  # single S3 requests: multipart calls, listings
+        self._part_uploads = (PartUploads(write_concurrency, tier) if self._s3_requests and write_concurrency > 1
+                              and self.part_size >= S3_MIN_PART else None)
 
     def _connect(
         self, url: str, scheme: str, options: dict[str, Any], request_timeout_s: float | None
@@ -275,11 +269,7 @@ class FsspecStore(Store):
         return f"{self.url}/{rel}" if rel else self.url
 
     def _invalidate(self, path: str) -> None:
-        try:
-            self.fs.invalidate_cache(path)
-            self.fs.invalidate_cache(self.fs._parent(path))
-        except Exception:  # pragma: no cover - a cache that cannot be invalidated is only a missed optimisation
-            pass
+        invalidate(self.fs, path)
 
     def _cat(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file, short at its end (S3 refuses a range that starts at or past EOF)."""
@@ -368,11 +358,12 @@ class FsspecStore(Store):
             self._invalidate(p)
 
     def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
-        if not supports_parallel_parts(self.fs, self.scheme):
+        if not self._s3_requests:
             return []
         lines = []
+        prefix = len(self.fs.split_path(self.root)[1])
         for bucket, key, upload_id in unfinished_uploads(self.fs, self.root):
-            where = f"{self.url}/{key[len(self.fs.split_path(self.root)[1]):].lstrip('/')}"
+            where = f"{self.url}/{key[prefix:].lstrip('/')}"
             if not dry_run:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             lines.append(f"{'would abort' if dry_run else 'aborted'} the unfinished upload of {where}")

@@ -48,6 +48,27 @@ def supports_parallel_parts(fs: Any, scheme: str) -> bool:
         getattr(fs, "split_path", None))
 
 
+def invalidate(fs: Any, path: str) -> None:
+    """Drop ``path`` and its folder from ``fs``'s listing cache, if it keeps one (after every write and removal)."""
+    try:
+        fs.invalidate_cache(path)
+        fs.invalidate_cache(fs._parent(path))
+    except Exception:  # pragma: no cover - a cache that cannot be invalidated is only a missed optimisation
+        pass
+
+
+def remove_quietly(fs: Any, path: str, tier: str, url: str) -> None:
+    """Remove an aborted upload's object if it became visible; a failure is only logged (the upload is being
+    thrown away, and the step folder's cleanup removes what remains)."""
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except Exception as exc:
+        log.warning("tier %s: removing aborted %s failed: %s", tier, url, exc)
+    invalidate(fs, path)
+
+
 class PartUploads:
     """A store's threads for sending parts, and the permits that bound the parts in memory.
 
@@ -157,7 +178,7 @@ class S3MultipartStream(WriteStream):
             self.abort()
             raise
         finally:
-            self._invalidate()
+            invalidate(self.fs, self.path)
 
     def abort(self) -> None:
         """Discard the file: wait for the parts in flight, abort the multipart upload, and remove the object if a
@@ -177,13 +198,9 @@ class S3MultipartStream(WriteStream):
             except Exception as exc:  # the upload is being thrown away; S3's lifecycle rules remove what remains
                 log.warning("tier %s: aborting the multipart upload of %s failed: %s", self.tier, self.url, exc)
         if self._finishing:  # e.g. a completion that S3 carried out but whose reply was lost
-            try:
-                self.fs.rm_file(self.path)
-            except FileNotFoundError:
-                pass
-            except Exception as exc:
-                log.warning("tier %s: removing aborted %s failed: %s", self.tier, self.url, exc)
-        self._invalidate()
+            remove_quietly(self.fs, self.path, self.tier, self.url)
+        else:
+            invalidate(self.fs, self.path)
 
     # --- internals -----------------------------------------------------------------------------------------------
     def _take(self) -> bytes:
@@ -224,13 +241,6 @@ class S3MultipartStream(WriteStream):
             finally:
                 failed = None
 
-    def _invalidate(self) -> None:
-        try:
-            self.fs.invalidate_cache(self.path)
-            self.fs.invalidate_cache(self.fs._parent(self.path))
-        except Exception:  # pragma: no cover - a cache that cannot be invalidated is only a missed optimisation
-            pass
-
 
 def unfinished_uploads(fs: Any, root: str, *, page_size: int = 1000) -> list[tuple[str, str, str]]:
     """(bucket, key, upload id) of every multipart upload in progress under folder ``root`` (``bucket/prefix``),
@@ -258,5 +268,5 @@ def _reraise(failed: Future[Any]) -> None:
         exc = failed = None  # type: ignore[assignment]
 
 
-__all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "supports_parallel_parts",
-           "unfinished_uploads"]
+__all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "invalidate", "remove_quietly",
+           "supports_parallel_parts", "unfinished_uploads"]
