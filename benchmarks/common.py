@@ -653,3 +653,16 @@ def case_rows(label: str, runs: dict[str, list[float]], base: str, peer: str, nb
         rows.append([label, case, f"{m:.3f}", f"{nbytes / m / 1e9:.2f}", f"{ratio(m, b):.2f}x", f"{ratio(m, p):.2f}x"])
         summary[f"{label} {case}"] = {"median_s": m, "all_s": times}
     return rows
+
+
+def plain_put_s3(src: Path, url: str, storage_options: dict[str, Any]) -> float:
+    """The peer of tierckpt's uploads: one recursive s3fs ``fs.put`` of folder ``src`` to ``url``, nothing checked;
+    seconds. The objects are removed afterwards (not timed)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
+    t0 = time.perf_counter()
+    fs.put(str(src), url, recursive=True)
+    dt = time.perf_counter() - t0
+    fs.rm(url, recursive=True)
+    return dt

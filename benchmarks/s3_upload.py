@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from common import (
@@ -33,6 +32,7 @@ from common import (
     fresh_dir,
     import_tierckpt,
     markdown_table,
+    plain_put_s3,
     remove,
     s3_loopback,
     scratch_dir,
@@ -74,15 +74,6 @@ def upload_once(tc: Any, local: Any, step: int, url: str, opts: dict[str, Any], 
         return time.perf_counter() - t0
     finally:
         remote.close()
-
-
-def plain_put(folder: Path, url: str, opts: dict[str, Any]) -> float:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
-    t0 = time.perf_counter()
-    fs.put(str(folder), url, recursive=True)
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         n += 1
                         url = f"s3://{s3['bucket']}/up{n}"
                         if case == "plain fs.put":
-                            t = plain_put(folder, url, opts)
+                            t = plain_put_s3(folder, url, opts)
                         else:
                             t = upload_once(tc, local, 1, url, opts, int(case.split("=")[1]), a.part_mb << 20)
                         times[(emu, case)].append(t)

@@ -35,6 +35,7 @@ from common import (
     machine_description,
     markdown_table,
     median,
+    plain_put_s3,
     ratio,
     remove,
     s3_loopback,
@@ -70,18 +71,6 @@ def plain_copy_posix(src: Path, dst: Path) -> float:
                 os.close(fd)
     fsync_dir(dst)
     return time.perf_counter() - t0
-
-
-def plain_put_s3(src: Path, url: str, storage_options: dict[str, Any]) -> float:
-    """One recursive ``fs.put`` of ``src`` to ``url``; seconds."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
-    t0 = time.perf_counter()
-    fs.put(str(src), url, recursive=True)
-    dt = time.perf_counter() - t0
-    fs.rm(url, recursive=True)
-    return dt
 
 
 def one_repeat(
