@@ -172,6 +172,53 @@ def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Pat
         assert _share(big, size - size % DIRECT_ALIGN) < 0.5  # read around the cache, not through it
 
 
+def test_uncached_files_are_read_in_the_larger_direct_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file read whole around the cache goes in ``DIRECT_READ_CHUNK`` reads (a fresh buffer faults in inside each
+    read, so fewer, larger reads keep the disk busier); a cached one in ``READ_CHUNK`` reads."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    from tierckpt.tiers import reader
+
+    monkeypatch.setattr(reader, "READ_CHUNK", 256 << 10)
+    monkeypatch.setattr(reader, "DIRECT_READ_CHUNK", 1 << 20)
+    state = _state()  # 6 MB: one data file of 2 MiB and one of about 4 MB
+    with CheckpointManager(tmp_path, file_size_mb=4) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    files = data_files(step_path(tmp_path, 1))
+    sizes: dict[str, list[int]] = {"direct": [], "cached": []}
+    real_direct, real_read = LocalStore.readinto_direct, LocalStore.readinto
+
+    def direct(self: LocalStore, rel: str, offset: int, buf: memoryview) -> int:
+        sizes["direct"].append(buf.nbytes)
+        return real_direct(self, rel, offset, buf)
+
+    def cached(self: LocalStore, rel: str, offset: int, buf: memoryview) -> int:
+        sizes["cached"].append(buf.nbytes)
+        return real_read(self, rel, offset, buf)
+
+    monkeypatch.setattr(LocalStore, "readinto_direct", direct)
+    monkeypatch.setattr(LocalStore, "readinto", cached)
+    for f in files:
+        _evict(f)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(out) == 1
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+    total = sum(f.stat().st_size for f in files)
+    assert sum(sizes["direct"]) >= total - len(files) * DIRECT_ALIGN  # every file's bulk read around the cache
+    assert max(sizes["direct"]) == 1 << 20 and sizes["direct"].count(1 << 20) >= total // (1 << 20) - len(files)
+
+    for f in files:
+        f.read_bytes()  # now cached: read through the cache in the smaller chunks
+    sizes["direct"].clear()
+    sizes["cached"].clear()
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(out) == 1
+    assert not sizes["direct"] and max(sizes["cached"]) == 256 << 10
+
+
 def test_a_restore_from_a_cached_step_reads_through_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = _state()
     with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
