@@ -355,6 +355,52 @@ def test_more_parts_than_s3_numbers_is_refused_and_aborted(make_store, monkeypat
     assert not store.exists("big.bin") and _pending_uploads(store) == []
 
 
+def test_a_file_too_large_for_the_part_numbers_gets_larger_parts_from_its_size_hint(make_store, monkeypatch) -> None:
+    """With the file's size known up front (the uploader passes it), the part size grows to whole MiB so that the
+    file fits S3's part numbers; the store's own part size is unchanged for other files."""
+    from tierckpt.storage import s3upload
+
+    monkeypatch.setattr(s3upload, "MAX_PARTS", 2)
+    store = _store(make_store, write_concurrency=2)
+    calls = _Calls(store)
+    data = _payload(16 * MiB + 5)  # 4 parts of 5 MiB; 2 parts of 9 MiB
+    with store.open_write("big.bin", size_hint=len(data)) as w:
+        assert isinstance(w, S3MultipartStream) and w.part_size == 9 * MiB
+        w.write(data)
+    assert calls.parts == 2 and store.read_bytes("big.bin", max_size=len(data)) == data
+    assert store.open_write("other.bin", size_hint=6 * MiB).part_size == 5 * MiB  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("part", "hint", "want"), [
+    (16 * MiB, None, 16 * MiB),
+    (16 * MiB, 16 * MiB * 10_000, 16 * MiB),  # exactly fits
+    (16 * MiB, 16 * MiB * 10_000 + 1, 17 * MiB),
+    (16 * MiB, 200 << 30, 21 * MiB),  # 200 GiB
+    (5 * MiB, 0, 5 * MiB),
+])
+def test_part_size_for(part: int, hint: int | None, want: int) -> None:
+    from tierckpt.storage.s3upload import MAX_PARTS, part_size_for
+
+    got = part_size_for(part, hint)
+    assert got == want and (hint is None or -(-hint // got) <= MAX_PARTS)
+
+
+def test_the_connection_pool_holds_the_reads_and_parts_in_flight(s3_server, s3_bucket) -> None:
+    """botocore's pool of 10 would queue requests: the store sizes it for its reads and its parts in flight,
+    unless the user's ``config_kwargs`` say otherwise."""
+    def pool(**kw) -> int:
+        store = FsspecStore(f"s3://{s3_bucket}/pool", tier="remote", **kw)
+        try:
+            return store.fs.config_kwargs["max_pool_connections"]
+        finally:
+            store.close()
+
+    opts = s3_server.storage_options()
+    assert pool(storage_options=opts) == 32  # 4 x 8 reads in flight
+    assert pool(storage_options=opts, read_concurrency=2, write_concurrency=24) == 48
+    assert pool(storage_options={**opts, "config_kwargs": {"max_pool_connections": 7}}, write_concurrency=24) == 7
+
+
 def test_a_failed_part_is_freed_without_the_garbage_collector(make_store) -> None:
     """The failed part's exception holds its frame (the stream and the part's bytes): once the caller drops the
     exception and the stream is aborted, reference counting alone frees them."""

@@ -43,6 +43,7 @@ from .storage import folder_lock
 from .storage.base import Store, join
 from .storage.open import is_url, open_store
 from .storage.readahead import ReadAhead
+from .storage.s3upload import DEFAULT_WRITE_CONCURRENCY
 
 log = logging.getLogger(__name__)
 
@@ -452,8 +453,9 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("local", help="local tier root (or one step folder)")
     sp.add_argument("remote", help="remote tier: a path or an fsspec URL such as s3://bucket/run")
     sp.add_argument("--threads", type=int, default=4, help="files uploaded in parallel (default 4)")
-    sp.add_argument("--write-concurrency", type=int, default=4, metavar="N",
-                    help="s3:// only: parts of the uploads in flight at once (default 4; each holds a part in memory)")
+    sp.add_argument("--write-concurrency", type=int, default=DEFAULT_WRITE_CONCURRENCY, metavar="N",
+                    help=f"s3:// only: parts of the uploads in flight at once (default {DEFAULT_WRITE_CONCURRENCY}; "
+                         "each holds a part in memory)")
     sp.add_argument("--compression", choices=["zstd"], default=None, help="store the remote copy compressed")
     sp.add_argument("--verify", action="store_true", help="re-read and hash every uploaded file before committing")
     common(sp)

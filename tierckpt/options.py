@@ -17,11 +17,11 @@ class Options:
     upload_threads: int = 4
     upload_bandwidth_mbps: float | None = None
     upload_deadline_s: float | None = 3600.0
-    upload_part_mb: int = 64
+    upload_part_mb: int = 16
     remote_compression: str | None = None
     verify_uploads: bool = False
     remote_read_concurrency: int = 8
-    remote_write_concurrency: int = 4
+    remote_write_concurrency: int = 8
     cache_remote_restores: bool = False
     pin_memory: bool | None = None
     log_records: bool = True

@@ -38,6 +38,7 @@ from .s3upload import (
     PartUploads,
     S3MultipartStream,
     invalidate,
+    part_size_for,
     remove_quietly,
     supports_parallel_parts,
     unfinished_uploads,
@@ -242,8 +243,9 @@ class FsspecStore(Store):
             if request_timeout_s:
                 cfg.setdefault("connect_timeout", min(10.0, request_timeout_s))
                 cfg.setdefault("read_timeout", request_timeout_s)
-            # botocore's pool holds 10 connections: fewer than a few files' reads in flight
-            cfg.setdefault("max_pool_connections", max(10, POOL_PER_READ * self.read_concurrency))
+            # botocore's pool holds 10 connections: fewer than a few files' reads, or the parts, in flight
+            cfg.setdefault("max_pool_connections",
+                           max(10, POOL_PER_READ * self.read_concurrency, 2 * self.write_concurrency))
             options["config_kwargs"] = cfg
         try:
             return fsspec.core.url_to_fs(url, **options)
@@ -335,8 +337,8 @@ class FsspecStore(Store):
         p = self._p(rel)
         log.debug("tier %s: upload %s (%s bytes expected)", self.tier, self.display(rel), size_hint)
         if self._part_uploads is not None:
-            return S3MultipartStream(self.fs, p, part_size=self.part_size, uploads=self._part_uploads, tier=self.tier,
-                                     url=self.display(rel))
+            return S3MultipartStream(self.fs, p, part_size=part_size_for(self.part_size, size_hint),
+                                     uploads=self._part_uploads, tier=self.tier, url=self.display(rel))
         return _FsspecWriteStream(self, rel, p)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
