@@ -153,19 +153,25 @@ def _state() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(1_500_000, generator=g), "b": torch.randn(1001, generator=g)}
 
 
+def _restore_evicted(root: Path, state: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.Tensor]:
+    """Evict the step's data files, restore them by default in a fresh manager and check every tensor."""
+    for f in files:
+        _evict(f)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(out) == 1
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+    return out
+
+
 def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Path) -> None:
     state = _state()
     with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
         mgr.save(1, state)
         mgr.wait()
     files = data_files(step_path(tmp_path, 1))
-    for f in files:
-        _evict(f)
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
-    with CheckpointManager(tmp_path) as mgr:
-        assert mgr.restore(out) == 1
-    for k in state:
-        assert_tensor_equal(out[k], state[k], k)
+    _restore_evicted(tmp_path, state, files)
     if direct_io_supported(tmp_path):
         big = max(files, key=lambda f: f.stat().st_size)
         size = big.stat().st_size
@@ -181,7 +187,7 @@ def test_uncached_files_are_read_in_the_larger_direct_chunks(tmp_path: Path, mon
 
     monkeypatch.setattr(reader, "READ_CHUNK", 256 << 10)
     monkeypatch.setattr(reader, "DIRECT_READ_CHUNK", 1 << 20)
-    state = _state()  # 6 MB: one data file of 2 MiB and one of about 4 MB
+    state = _state()  # about 6 MB of data files
     with CheckpointManager(tmp_path, file_size_mb=4) as mgr:
         mgr.save(1, state)
         mgr.wait()
@@ -199,13 +205,7 @@ def test_uncached_files_are_read_in_the_larger_direct_chunks(tmp_path: Path, mon
 
     monkeypatch.setattr(LocalStore, "readinto_direct", direct)
     monkeypatch.setattr(LocalStore, "readinto", cached)
-    for f in files:
-        _evict(f)
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
-    with CheckpointManager(tmp_path) as mgr:
-        assert mgr.restore(out) == 1
-    for k in state:
-        assert_tensor_equal(out[k], state[k], k)
+    out = _restore_evicted(tmp_path, state, files)
     total = sum(f.stat().st_size for f in files)
     assert sum(sizes["direct"]) >= total - len(files) * DIRECT_ALIGN  # every file's bulk read around the cache
     assert max(sizes["direct"]) == 1 << 20 and sizes["direct"].count(1 << 20) >= total // (1 << 20) - len(files)
