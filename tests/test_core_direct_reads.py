@@ -255,3 +255,89 @@ def test_corruption_in_an_uncached_step_is_still_found(tmp_path: Path) -> None:
         mgr.restore(out, step=1)
     assert big.name in str(ei.value)
     assert all(torch.count_nonzero(v) == 0 for v in out.values())  # the default restore changed nothing
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize(("size", "chunk", "start", "length"), [
+    (0, 1 << 20, 0, None),
+    (1, 1 << 20, 0, None),
+    (DIRECT_ALIGN, 1 << 20, 0, None),
+    (3 * (1 << 20) + 123, 1 << 20, 0, None),  # three whole chunks and an unaligned tail
+    (3 * (1 << 20) + 123, 1000, 0, None),  # chunks that are no multiple of a page: read buffered
+    (3 * (1 << 20) + 123, 1 << 20, 1 << 20, 1 << 20),  # a range
+    (3 * (1 << 20) + 123, 1 << 20, 5, 100_000),  # an unaligned range
+])
+def test_reused_chunks_are_the_files_bytes(tmp_path: Path, direct_io: bool, size: int, chunk: int, start: int,
+                                           length: int | None) -> None:
+    """``iter_chunks(reuse=True)`` (the uploader's read of a committed file) yields the same bytes as new ``bytes``
+    chunks, each at most ``chunk`` long, every one a view of the same buffer; direct or not, cached or not."""
+    path, data = _file(tmp_path, size)
+    store = LocalStore(tmp_path, direct_io=direct_io)
+    want = data[start:] if length is None else data[start : start + length]
+    plain = list(store.iter_chunks("f.bin", chunk, start=start, length=length))
+    assert b"".join(plain) == want
+    for evict in (True, False):
+        if evict and size:
+            _evict(path)
+        got = []
+        addresses = set()
+        for view in store.iter_chunks("f.bin", chunk, start=start, length=length, reuse=True):
+            assert isinstance(view, memoryview) and 0 < view.nbytes <= chunk
+            addresses.add(local_mod.buffer_address(view))
+            got.append(bytes(view))  # the next chunk overwrites this one
+        assert b"".join(got) == want and [len(g) for g in got] == [len(p) for p in plain]
+        assert len(addresses) <= 1, "every chunk should be read into the one reused buffer"
+
+
+def test_reused_chunks_of_an_uncached_file_are_read_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not direct_io_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    path, data = _file(tmp_path, 4 * (1 << 20))
+    store = LocalStore(tmp_path, direct_io=True)
+    _evict(path)
+    flags = _opened_flags(monkeypatch)
+    assert b"".join(bytes(v) for v in store.iter_chunks("f.bin", 1 << 20, reuse=True)) == data
+    assert any(f & local_mod._O_DIRECT for f in flags)
+    assert _share(path) < 0.5  # read around the cache
+    path.read_bytes()  # cached now: read through the cache
+    flags.clear()
+    assert b"".join(bytes(v) for v in store.iter_chunks("f.bin", 1 << 20, reuse=True)) == data
+    assert flags and not any(f & local_mod._O_DIRECT for f in flags)
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+def test_a_posix_remote_is_written_direct_when_the_manager_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    direct_io: bool) -> None:
+    """A remote given as a path (a Lustre/Weka mount) follows ``direct_io``: the uploader writes its data files
+    ``O_DIRECT`` from its reused buffer, and a restore from that remote alone is exact."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    state = {"w": torch.randn(3_000_000, generator=torch.Generator().manual_seed(5)), "b": torch.arange(7.0)}
+    remote_opens: list[int] = []  # flags of every open of a file under the remote
+    real_open = os.open
+
+    def spy(path: str, fl: int, *args: int) -> int:
+        if str(path).startswith(str(tmp_path / "remote")):
+            remote_opens.append(fl)
+        return real_open(path, fl, *args)
+
+    monkeypatch.setattr(local_mod.os, "open", spy)
+    with CheckpointManager(tmp_path / "local", remote=tmp_path / "remote", file_size_mb=4,
+                           direct_io=direct_io) as mgr:
+        assert isinstance(mgr.remote, LocalStore) and mgr.remote.direct_io is direct_io
+        mgr.save(1, state).uploaded.result(timeout=60)
+    monkeypatch.undo()
+    remote_files = data_files(step_path(tmp_path / "remote", 1))
+    assert remote_files
+    direct_writes = [f for f in remote_opens if f & local_mod._O_DIRECT and f & os.O_WRONLY]
+    assert remote_opens and bool(direct_writes) is direct_io
+    big = max(remote_files, key=lambda f: f.stat().st_size)
+    size = big.stat().st_size
+    cached = _share(big, size - size % DIRECT_ALIGN)
+    # written from the page-aligned reused buffer, the bulk went around the page cache (not only opened that way)
+    assert cached < 0.5 if direct_io else cached > 0.5, cached
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path / "fresh", remote=tmp_path / "remote") as mgr:
+        assert mgr.restore(out, source="remote") == 1
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)

@@ -83,7 +83,8 @@ class CheckpointManager:
             before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
             by hand.
         direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
-            go from the staging buffer to the disk without a copy through the page cache. A restore reads a file
+            go from the staging buffer to the disk without a copy through the page cache. A remote given as a path
+            (a Lustre/Weka/NFS mount) is written and read the same way, from the uploader's reused buffer. A restore reads a file
             that is not in the page cache direct too: into the staging buffer, or, in place, through a few bounce
             buffers (a cached file, as after a buffered read of it, is read from memory). False: everything
             through the page cache.
@@ -165,7 +166,8 @@ class CheckpointManager:
                 self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote",
                                          part_size=self.options.upload_part_mb << 20,
                                          read_concurrency=self.options.remote_read_concurrency,
-                                         write_concurrency=self.options.remote_write_concurrency)
+                                         write_concurrency=self.options.remote_write_concurrency,
+                                         direct_io=self.options.direct_io)
         except BaseException:
             self._unlock()
             raise

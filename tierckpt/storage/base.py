@@ -130,8 +130,14 @@ class Store(abc.ABC):
     def open_read(self, rel: str) -> BinaryIO:
         """A sequential binary reader (``read(n)``/``readinto``), for streaming verification and copies."""
 
-    def iter_chunks(self, rel: str, chunk: int, *, start: int = 0, length: int | None = None) -> Iterator[bytes]:
-        """Sequential chunks of a file, ``chunk`` bytes at most each."""
+    def iter_chunks(self, rel: str, chunk: int, *, start: int = 0, length: int | None = None,
+                    reuse: bool = False) -> Iterator[bytes | memoryview]:
+        """Sequential chunks of a file, ``chunk`` bytes at most each.
+
+        ``reuse=True`` lets a store hand back views of one buffer that the next chunk overwrites (the caller must be
+        done with a chunk before it asks for the next): a store that can read around the page cache then reads each
+        chunk into that buffer, with no fresh memory per chunk (:class:`~tierckpt.storage.local.LocalStore`). This
+        base implementation returns new ``bytes`` either way."""
         with self.open_read(rel) as f:
             if start:
                 f.seek(start)

@@ -240,7 +240,7 @@ def _upload_file(local: Store, remote: Store, ctx: _Ctx, rm: RankManifest, index
     read = written = 0
     w = remote.open_write(dst, size_hint=None if compress else expected_src)
     try:
-        for data in local.iter_chunks(src, chunk):
+        for data in local.iter_chunks(src, chunk, reuse=True):  # each chunk is done with before the next
             ctx.check()
             read += len(data)
             if src_hash is not None:
