@@ -221,6 +221,38 @@ def test_damaged_remote_and_failed_sync_exit_codes(tmp_path, s3_server, s3_bucke
     remote2.close()
 
 
+@pytest.mark.parametrize("flag", [[], ["--no-direct-io"]], ids=["direct", "buffered"])
+def test_sync_writes_a_posix_remote_around_the_page_cache(tmp_path, flag):
+    """``tierckpt sync`` to a path writes the data files ``O_DIRECT`` from its reused buffer, as the manager does,
+    unless ``--no-direct-io``; either way the remote step verifies and restores exactly."""
+    from helpers_core import direct_io_supported
+
+    from tierckpt.storage.local import DIRECT_ALIGN, cached_share
+
+    if not direct_io_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    local, nfs = tmp_path / "local", tmp_path / "nfs"
+    state = {"w": torch.randn(1 << 21, generator=torch.Generator().manual_seed(3))}  # 8 MiB: one data file
+    with CheckpointManager(local) as mgr:
+        mgr.save(1, state)
+    assert cli_main(["sync", str(local), str(nfs), *flag]) == 0
+    big = max(data_files(step_path(nfs, 1)), key=lambda f: f.stat().st_size)
+    size = big.stat().st_size
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        cached = cached_share(fd, 0, size - size % DIRECT_ALIGN)
+    finally:
+        os.close(fd)
+    if cached is None:
+        pytest.skip("mincore cannot tell what is cached here")
+    assert cached < 0.5 if not flag else cached > 0.5, cached
+    assert verify_step(LocalStore(nfs, create=False), 1).ok
+    out = {"w": torch.zeros_like(state["w"])}
+    with CheckpointManager(tmp_path / "fresh", remote=nfs) as mgr:
+        assert mgr.restore(out, source="remote") == 1
+    assert torch.equal(out["w"], state["w"])
+
+
 def test_posix_remote_sync_pull_prune_in_process(tmp_path, capsys):
     """The same commands on a POSIX remote folder, through ``cli.main`` in-process (usage errors and protections)."""
     local, nfs, back = tmp_path / "local", tmp_path / "nfs", tmp_path / "back"

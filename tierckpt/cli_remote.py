@@ -77,14 +77,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if args.write_concurrency < 1:
         raise _Usage("--write-concurrency must be >= 1")
     opts = _storage_options(args.storage_option)
-    local, only = _open_root(args.local, None if not is_url(args.local) else opts)
+    local, only = _open_root(args.local, None if not is_url(args.local) else opts, direct_io=args.direct_io)
     local.tier = "local"
     local_steps = [s for s in list_root(local).steps if only is None or s == only]
     if not local_steps:
         _say(args, f"no committed checkpoints under {local.url}" + (f" for step {only}" if only is not None else ""))
         return EXIT_USAGE
     remote = open_store(args.remote, storage_options=opts, tier="remote", create=True,
-                        write_concurrency=args.write_concurrency)
+                        write_concurrency=args.write_concurrency, direct_io=args.direct_io)
     try:
         remote_state = list_steps(remote)
         todo: list[int] = []
@@ -456,6 +456,9 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("--write-concurrency", type=int, default=DEFAULT_WRITE_CONCURRENCY, metavar="N",
                     help=f"s3:// only: parts of the uploads in flight at once (default {DEFAULT_WRITE_CONCURRENCY}; "
                          "each holds a part in memory)")
+    sp.add_argument("--no-direct-io", dest="direct_io", action="store_false",
+                    help="read the local files and write a path remote through the page cache (default: O_DIRECT "
+                         "where the file system accepts it, as the manager's direct_io)")
     sp.add_argument("--compression", choices=["zstd"], default=None, help="store the remote copy compressed")
     sp.add_argument("--verify", action="store_true", help="re-read and hash every uploaded file before committing")
     common(sp)
