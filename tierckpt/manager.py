@@ -83,11 +83,11 @@ class CheckpointManager:
             before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
             by hand.
         direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
-            go from the staging buffer to the disk without a copy through the page cache. A remote given as a path
-            (a Lustre/Weka/NFS mount) is written and read the same way, from the uploader's reused buffer. A restore reads a file
+            go from the staging buffer to the disk without a copy through the page cache. A restore reads a file
             that is not in the page cache direct too: into the staging buffer, or, in place, through a few bounce
-            buffers (a cached file, as after a buffered read of it, is read from memory). False: everything
-            through the page cache.
+            buffers (a cached file, as after a buffered read of it, is read from memory). A remote given as a path
+            (a Lustre/Weka/NFS mount) is written and read the same way, the uploader writing it from one reused
+            buffer per file. False: everything through the page cache.
         overlap_writes: start writing each file while the rest of a host state is still being copied (durable
             sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
             copy not built) only when the process has a core for each copy thread and each writer, because on
