@@ -289,6 +289,11 @@ def test_reused_chunks_are_the_files_bytes(tmp_path: Path, direct_io: bool, size
         assert len(addresses) <= 1, "every chunk should be read into the one reused buffer"
 
 
+def test_remote_direct_io_is_validated() -> None:
+    with pytest.raises(ValueError, match="remote_direct_io must be None"):
+        CheckpointManager(os.devnull + "-never", remote_direct_io="yes")  # type: ignore[arg-type]
+
+
 def test_reused_chunks_of_an_uncached_file_are_read_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not direct_io_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")
@@ -305,11 +310,17 @@ def test_reused_chunks_of_an_uncached_file_are_read_direct(tmp_path: Path, monke
     assert flags and not any(f & local_mod._O_DIRECT for f in flags)
 
 
-@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize(("options", "direct_io"), [
+    ({}, True),
+    ({"direct_io": False}, False),
+    ({"remote_direct_io": False}, False),  # an NFS mount kept buffered while the local tier stays direct
+    ({"direct_io": False, "remote_direct_io": True}, True),
+], ids=["default", "off", "remote-off", "remote-only"])
 def test_a_posix_remote_is_written_direct_when_the_manager_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    direct_io: bool) -> None:
-    """A remote given as a path (a Lustre/Weka mount) follows ``direct_io``: the uploader writes its data files
-    ``O_DIRECT`` from its reused buffer, and a restore from that remote alone is exact."""
+                                                                    options: dict, direct_io: bool) -> None:
+    """A remote given as a path (a Lustre/Weka mount) follows ``remote_direct_io``, by default ``direct_io``: the
+    uploader writes its data files ``O_DIRECT`` from its reused buffer, and a restore from that remote alone is
+    exact."""
     if not direct_io_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")
     state = {"w": torch.randn(3_000_000, generator=torch.Generator().manual_seed(5)), "b": torch.arange(7.0)}
@@ -322,9 +333,9 @@ def test_a_posix_remote_is_written_direct_when_the_manager_says_so(tmp_path: Pat
         return real_open(path, fl, *args)
 
     monkeypatch.setattr(local_mod.os, "open", spy)
-    with CheckpointManager(tmp_path / "local", remote=tmp_path / "remote", file_size_mb=4,
-                           direct_io=direct_io) as mgr:
+    with CheckpointManager(tmp_path / "local", remote=tmp_path / "remote", file_size_mb=4, **options) as mgr:
         assert isinstance(mgr.remote, LocalStore) and mgr.remote.direct_io is direct_io
+        assert mgr.local.direct_io is options.get("direct_io", True)
         mgr.save(1, state).uploaded.result(timeout=60)
     monkeypatch.undo()
     remote_files = data_files(step_path(tmp_path / "remote", 1))

@@ -88,6 +88,9 @@ class CheckpointManager:
             buffers (a cached file, as after a buffered read of it, is read from memory). A remote given as a path
             (a Lustre/Weka/NFS mount) is written and read the same way, the uploader writing it from one reused
             buffer per file. False: everything through the page cache.
+        remote_direct_io: ``direct_io`` for a remote given as a path only (None: as ``direct_io``). False keeps a
+            mount whose ``O_DIRECT`` is slow (some NFS setups send each direct write to the server synchronously)
+            on the page cache while the local NVMe tier stays direct.
         overlap_writes: start writing each file while the rest of a host state is still being copied (durable
             sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
             copy not built) only when the process has a core for each copy thread and each writer, because on
@@ -121,6 +124,7 @@ class CheckpointManager:
         log_records: bool = True,
         lazy_snapshot: bool = False,
         direct_io: bool = True,
+        remote_direct_io: bool | None = None,
         overlap_writes: bool | None = None,
         collective_timeout_s: float = 600.0,
         save_every_steps: int | None = None,
@@ -136,7 +140,8 @@ class CheckpointManager:
             remote_read_concurrency=remote_read_concurrency, remote_write_concurrency=remote_write_concurrency,
             cache_remote_restores=cache_remote_restores,
             pin_memory=pin_memory, log_records=log_records, collective_timeout_s=collective_timeout_s,
-            lazy_snapshot=lazy_snapshot, direct_io=direct_io, overlap_writes=overlap_writes,
+            lazy_snapshot=lazy_snapshot, direct_io=direct_io, remote_direct_io=remote_direct_io,
+            overlap_writes=overlap_writes,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -167,7 +172,8 @@ class CheckpointManager:
                                          part_size=self.options.upload_part_mb << 20,
                                          read_concurrency=self.options.remote_read_concurrency,
                                          write_concurrency=self.options.remote_write_concurrency,
-                                         direct_io=self.options.direct_io)
+                                         direct_io=self.options.direct_io if self.options.remote_direct_io is None
+                                         else self.options.remote_direct_io)
         except BaseException:
             self._unlock()
             raise
