@@ -103,6 +103,9 @@ def test_uncached_tells_cached_from_uncached_ranges(tmp_path: Path) -> None:
     assert not store.uncached("f.bin", 0, size // 2)
     assert store.uncached("f.bin", size // 2, size // 2)
     assert not store.uncached("missing.bin", 0, size)  # unknown: the read that follows reports it
+    # reads_direct asks the same of the whole pages around any range, and only on a store that reads direct
+    assert store.reads_direct("f.bin", size // 2 + 5, 100_000) and not store.reads_direct("f.bin", 5, 100_000)
+    assert not LocalStore(tmp_path, direct_io=False).reads_direct("f.bin", size // 2, size // 2)
     path.read_bytes()
     assert not store.uncached("f.bin", 0, size)
 

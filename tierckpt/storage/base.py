@@ -24,6 +24,7 @@ completed PUT / multipart completion on object stores).
 from __future__ import annotations
 
 import abc
+import mmap
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -119,6 +120,15 @@ class Store(abc.ABC):
         """Whether bytes ``[offset, offset + length)`` of ``rel`` are known not to be in memory (most of them), so
         that a ``direct_reads`` store reads them direct; False where that cannot be told. ``offset``: page-aligned."""
         return False
+
+    def reads_direct(self, rel: str, offset: int, length: int) -> bool:
+        """Whether bytes ``[offset, offset + length)`` of ``rel`` are to be read around the page cache
+        (:meth:`readinto_direct`): on a ``direct_reads`` store, where most of the range (widened to whole pages) is
+        not in memory. Asked once per file or range, before its first read, not once per read."""
+        if not self.direct_reads:
+            return False
+        head = offset % mmap.PAGESIZE
+        return self.uncached(rel, offset - head, length + head)
 
     def prefetch(self, rel: str, offset: int, length: int) -> None:
         """A hint that bytes ``[offset, offset + length)`` of ``rel`` will be read soon: stores that can

@@ -280,7 +280,7 @@ class LocalStore(Store):
             raise ValueError(f"chunk must be positive, got {chunk}")
         end = self.size(rel) if length is None else start + length
         # readinto_direct reads the page-aligned part of each piece O_DIRECT and falls back for the rest
-        read = self.readinto_direct if self.direct_reads and self.uncached(rel, start, end - start) else self.readinto
+        read = self.readinto_direct if self.reads_direct(rel, start, end - start) else self.readinto
         size = max(1, min(chunk, end - start))
         buf = memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))  # anonymous: fileno -1
         pos = start

@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 READ_CHUNK = 8 << 20
 #: Bytes per read of a file read whole around the page cache (``O_DIRECT``, straight into the staging buffer). A
 #: fresh buffer's pages fault in inside each such read before its transfer starts, so a reader alternates between
-#: faulting and waiting on the disk; 32 MiB reads made 2 GiB default cold restores into fresh buffers 0.6-0.85x as
-#: long as 8 MiB ones on the benchmark VM (three interleaved A/B runs, 20 rounds; docs/benchmarks.md, session 16).
+#: faulting and waiting on the disk; 32 MiB reads made 2 GiB default cold restores into fresh buffers 0.59-0.85x as
+#: long as 8 MiB ones on the benchmark VM (four interleaved A/B runs, 30 rounds; docs/benchmarks.md, session 16).
 #: Reads into memory faulted in before took the same time at either size.
 DIRECT_READ_CHUNK = 32 << 20
 #: Buffers per vectored read (well under every kernel's IOV_MAX of 1024).
@@ -385,7 +385,7 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
 
     if scatter:
         pieces = _pieces(rm, index, out, scatter)
-        if bounce is not None and store.direct_reads and store.uncached(rel, 0, f.size):
+        if bounce is not None and store.reads_direct(rel, 0, f.size):
             _read_bounced(store, rm, index, rel, pieces, bounce, hasher, check)
             return
         for batch in _batches(pieces):
@@ -397,12 +397,11 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
             hasher.feed(batch)
             pos += n
         return
-    direct = store.direct_reads and store.uncached(rel, 0, f.size)
+    direct = store.reads_direct(rel, 0, f.size)
     read = store.readinto_direct if direct else store.readinto
     # one chunk at a time on a local disk; ``read_concurrency`` ranged reads in flight on an object store
     with ReadAhead(partial(read, rel), 0, f.size, chunk=DIRECT_READ_CHUNK if direct else READ_CHUNK,
-                   window=store.read_concurrency,
-                   into=out[: f.size], check=check) as chunks:
+                   window=store.read_concurrency, into=out[: f.size], check=check) as chunks:
         for _, view in chunks:
             hasher.feed([view])
             pos += len(view)
