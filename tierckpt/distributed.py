@@ -26,6 +26,19 @@ from .errors import CheckpointError
 log = logging.getLogger(__name__)
 
 
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and the job's size: as given, else from an initialised default process group, else a
+    single-process job (0, 1); refused unless ``0 <= rank < world_size``."""
+    if (rank is None or world_size is None) and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if type(rank) is not int or type(world_size) is not int or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"bad rank/world_size: {rank!r}/{world_size!r}")
+    return rank, world_size
+
+
 @dataclass(frozen=True)
 class Topology:
     rank: int

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 
 from . import _gc, _replication, _restore, _sharded, faults
+from .distributed import Coordinator, rank_and_world
 from .errors import CheckpointError
 from .format import layout
 from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
-from .options import Options, check_storage_options
+from .options import Options, check_metadata, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .snapshot import capture, copier, staging, tree
 from .status import StepInfo, list_steps
@@ -45,16 +46,6 @@ from .tiers import writer
 from .tiers.bounce import BounceBuffers
 
 log = logging.getLogger(__name__)
-
-
-def _json_metadata(metadata: Any) -> Any:
-    import json
-
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata must be JSON-serialisable (no NaN/inf): {exc}") from None
-    return metadata
 
 
 class CheckpointManager:
@@ -149,12 +140,10 @@ class CheckpointManager:
         self._clock = Clock()
         self._preemption = Preemption()
         self._slow = SlowSaveMonitor()
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.rank, self.world_size = rank_and_world(rank, world_size)
         self.local: LocalStore = LocalStore(local_dir, tier="local", direct_io=self.options.direct_io)
         self._coord = None
         if self.world_size > 1:  # every rank constructs its manager: the groups are created collectively here
-            from .distributed import Coordinator
-
             self._coord = Coordinator(self.local.root, timeout_s=self.options.collective_timeout_s)
         self._lock_fd = folder_lock.acquire(self.local.root, self.rank)
         self.remote = None
@@ -224,7 +213,7 @@ class CheckpointManager:
             raise CheckpointError(f"step {step} is not after the last step this manager saved ({self._last_step})",
                                   step=step, tier="local", path=self.local.url)
         if metadata is not None:
-            metadata = _json_metadata(metadata)
+            metadata = check_metadata(metadata)
         handle = SaveHandle(step)
         if self.options.lazy_snapshot:
             # only what may change once save() returns is taken now; the snapshot thread does the rest
@@ -589,16 +578,3 @@ def _leaf_records(plan: SnapshotPlan, locations: list[tuple[int, int]],
     plan.cache["records"] = (flat.paths, flat.kinds, flat.shards, meta, file_leaves)
     return meta, file_leaves
 
-
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    if type(rank) is not int or type(world_size) is not int or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad rank/world_size: {rank!r}/{world_size!r}")
-    return rank, world_size

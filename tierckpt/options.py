@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,15 @@ class Options:
         for name in ("pin_memory", "overlap_writes", "remote_direct_io"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be None (auto), True or False, got {getattr(self, name)!r}")
+
+
+def check_metadata(metadata: Any) -> Any:
+    """``save()``'s ``metadata``, refused unless it is JSON (no NaN/inf): it goes into the step manifest as is."""
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON-serialisable (no NaN/inf): {exc}") from None
+    return metadata
 
 
 def check_storage_options(storage_options: Any) -> dict[str, Any] | None:
