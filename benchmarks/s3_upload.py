@@ -6,16 +6,14 @@
 A committed local step of the benchmark state is replicated to moto's S3 server on loopback (in a process of its
 own) with the uploader's own call (``replicate_step``, what the manager runs after each save: it re-hashes the
 local files while it sends them and commits the remote step manifest last), once per part size and write
-concurrency, and, as
-the peer, copied with one plain recursive ``fs.put`` of s3fs (which sends up to 10 parts of a file at once and
-checks nothing). Cases are interleaved, each into a fresh prefix.
+concurrency, and, as the peer, copied with one plain recursive ``fs.put`` of s3fs (which sends up to 10 parts of a
+file at once and checks nothing). Cases are interleaved, each into a fresh prefix.
 
 Loopback has no round trip and no per-connection limit, unlike S3, where one connection gets a fraction of a node's
 bandwidth. ``--emulate RTT_MS:MBPS`` adds both: every S3 request of this process first waits ``RTT_MS``, and a
 part or object upload ends no sooner than ``MBPS`` megabytes a second on one connection would take to send it
 (an ``asyncio.sleep`` inside s3fs's request call, beside the real request: requests in flight overlap as real ones
-would, and moto's own work on a body overlaps its emulated transfer, as S3's does). ``0:0`` is
-loopback as it is. Reported: median seconds, GB/s and ratios to one part at a time and to the plain put.
+would, and moto's own work on a body overlaps its emulated transfer, as S3's does). ``0:0`` is loopback as it is. Reported: median seconds, GB/s and ratios to one part at a time and to the plain put.
 """
 
 from __future__ import annotations

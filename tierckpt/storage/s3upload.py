@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 #: S3 numbers a multipart upload's parts 1 to 10,000.
 MAX_PARTS = 10_000
 #: Parts of one store's uploads in flight at once (their bytes in memory): at the manager's 16 MiB parts, 128 MiB.
-#: Against 4 parts of 64 MiB (the defaults until session 16: twice the memory), 8 of 16 MiB uploaded a 0.25 GiB step
+#: Against 4 parts of 64 MiB (the earlier defaults: twice the memory), 8 of 16 MiB uploaded a 0.25 GiB step
 #: to moto in 0.75x and 0.63x the time under an emulated 30 and 10 MB/s per connection (docs/benchmarks.md).
 DEFAULT_WRITE_CONCURRENCY = 8
 
@@ -281,5 +281,4 @@ def _reraise(failed: Future[Any]) -> None:
 
 
 __all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "invalidate", "part_size_for",
-           "remove_quietly",
-           "supports_parallel_parts", "unfinished_uploads"]
+           "remove_quietly", "supports_parallel_parts", "unfinished_uploads"]
