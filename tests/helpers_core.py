@@ -81,6 +81,23 @@ def direct_io_supported(folder: Path) -> bool:
     return direct
 
 
+def cached_fraction(path: Path, length: int | None = None) -> float:
+    """The share of the pages of ``path``'s first ``length`` bytes (default: all) that are in the page cache, from
+    ``mincore``; skips the test where that cannot be told."""
+    import pytest
+
+    from tierckpt.storage.local import cached_share
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        share = cached_share(fd, 0, length if length is not None else os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if share is None:
+        pytest.skip("mincore cannot tell what is cached here")
+    return share
+
+
 def step_path(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:010d}"
 

@@ -15,25 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, data_files, direct_io_supported, step_path
+from helpers_core import assert_tensor_equal, cached_fraction, data_files, direct_io_supported, step_path
 
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.snapshot.staging import aligned_empty
 from tierckpt.storage import local as local_mod
-from tierckpt.storage.local import DIRECT_ALIGN, LocalStore, cached_share
+from tierckpt.storage.local import DIRECT_ALIGN, LocalStore
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _share(path: Path, length: int | None = None) -> float:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        share = cached_share(fd, 0, length if length is not None else os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    if share is None:
-        pytest.skip("mincore cannot tell what is cached here")
-    return share
 
 
 def _evict(path: Path) -> None:
@@ -44,7 +33,7 @@ def _evict(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    if _share(path) > 0:
+    if cached_fraction(path) > 0:
         pytest.skip("the page cache kept the file's pages")
 
 
@@ -86,10 +75,10 @@ def test_an_uncached_range_is_read_direct_and_stays_out_of_the_cache(tmp_path: P
     head = size - size % DIRECT_ALIGN
     if direct_io_supported(tmp_path):
         assert store.direct_reads
-        assert _share(path, head) == 0.0  # a buffered read would have left every page of it cached
+        assert cached_fraction(path, head) == 0.0  # a buffered read would have left every page of it cached
         assert store.uncached("f.bin", 0, size)
     else:
-        assert _share(path, head) == 1.0
+        assert cached_fraction(path, head) == 1.0
 
 
 def test_uncached_tells_cached_from_uncached_ranges(tmp_path: Path) -> None:
@@ -178,7 +167,7 @@ def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Pat
     if direct_io_supported(tmp_path):
         big = max(files, key=lambda f: f.stat().st_size)
         size = big.stat().st_size
-        assert _share(big, size - size % DIRECT_ALIGN) < 0.5  # read around the cache, not through it
+        assert cached_fraction(big, size - size % DIRECT_ALIGN) < 0.5  # read around the cache, not through it
 
 
 def test_uncached_files_are_read_in_the_larger_direct_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,7 +295,7 @@ def test_reused_chunks_of_an_uncached_file_are_read_direct(tmp_path: Path, monke
     flags = _opened_flags(monkeypatch)
     assert b"".join(bytes(v) for v in store.iter_chunks("f.bin", 1 << 20, reuse=True)) == data
     assert any(f & local_mod._O_DIRECT for f in flags)
-    assert _share(path) < 0.5  # read around the cache
+    assert cached_fraction(path) < 0.5  # read around the cache
     path.read_bytes()  # cached now: read through the cache
     flags.clear()
     assert b"".join(bytes(v) for v in store.iter_chunks("f.bin", 1 << 20, reuse=True)) == data
@@ -347,7 +336,7 @@ def test_a_posix_remote_is_written_direct_when_the_manager_says_so(tmp_path: Pat
     assert remote_opens and bool(direct_writes) is direct_io
     big = max(remote_files, key=lambda f: f.stat().st_size)
     size = big.stat().st_size
-    cached = _share(big, size - size % DIRECT_ALIGN)
+    cached = cached_fraction(big, size - size % DIRECT_ALIGN)
     # written from the page-aligned reused buffer, the bulk went around the page cache (not only opened that way)
     assert cached < 0.5 if direct_io else cached > 0.5, cached
     out = {k: torch.zeros_like(v) for k, v in state.items()}
