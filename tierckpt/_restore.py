@@ -246,7 +246,7 @@ def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest) -> BounceBuffers:
     page = mmap.PAGESIZE
     need = min(BOUNCE_SIZE, -(-max((f.size for f in rm.files), default=1) // page) * page)
     if mgr._bounce is None or mgr._bounce.size < need:
-        mgr._bounce = BounceBuffers(BOUNCE_PER_THREAD * mgr.options.writer_threads, need)
+        mgr._bounce = BounceBuffers(BOUNCE_PER_THREAD * mgr.options.writer_threads, need, huge=mgr._huge)
     return mgr._bounce
 
 

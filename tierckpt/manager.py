@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import _gc, _replication, _restore, _sharded, faults
+from ._memory import huge_pages_available
 from .distributed import Coordinator, rank_and_world
 from .errors import CheckpointError
 from .format import layout
@@ -86,6 +87,11 @@ class CheckpointManager:
             sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
             copy not built) only when the process has a core for each copy thread and each writer, because on
             fewer the writes slow the copy that training waits for (:func:`copier.overlap_pays`).
+        huge_pages: keep the pageable staging buffers and the in-place restore's bounce buffers on transparent
+            huge pages (None, auto: where the kernel offers them for ``madvise``; pinned buffers come from CUDA
+            as they are). Direct reads and writes of them then move 2 MiB DMA segments instead of 4 KiB pages.
+            False where fresh huge pages are slow, as on VMs whose balloon reports free memory to the host
+            (docs/design.md).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
@@ -117,6 +123,7 @@ class CheckpointManager:
         direct_io: bool = True,
         remote_direct_io: bool | None = None,
         overlap_writes: bool | None = None,
+        huge_pages: bool | None = None,
         collective_timeout_s: float = 600.0,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
@@ -132,7 +139,7 @@ class CheckpointManager:
             cache_remote_restores=cache_remote_restores,
             pin_memory=pin_memory, log_records=log_records, collective_timeout_s=collective_timeout_s,
             lazy_snapshot=lazy_snapshot, direct_io=direct_io, remote_direct_io=remote_direct_io,
-            overlap_writes=overlap_writes,
+            overlap_writes=overlap_writes, huge_pages=huge_pages,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -168,7 +175,9 @@ class CheckpointManager:
             raise
         cuda = torch.cuda.is_available()
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
-        self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin)
+        huge = self.options.huge_pages
+        self._huge = huge_pages_available() if huge is None else huge
+        self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge)
         self._bounce: BounceBuffers | None = None  # in-place restores' direct reads (made by the first: _restore)
         overlap = self.options.overlap_writes
         self._overlap = copier.overlap_pays(self.options.writer_threads) if overlap is None else overlap

@@ -31,6 +31,7 @@ class Options:
     direct_io: bool = True
     remote_direct_io: bool | None = None
     overlap_writes: bool | None = None
+    huge_pages: bool | None = None
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -62,7 +63,7 @@ class Options:
         for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("pin_memory", "overlap_writes", "remote_direct_io"):
+        for name in ("pin_memory", "overlap_writes", "remote_direct_io", "huge_pages"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be None (auto), True or False, got {getattr(self, name)!r}")
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .._libc import libc_function
+from .._memory import anonymous_buffer
 from ..errors import CheckpointError
 from ..format.plan import SnapshotPlan
 
@@ -159,8 +160,11 @@ class Slot:
 class StagingPool:
     """``slots`` reusable buffers; :meth:`acquire` blocks while all are in use (back-pressure)."""
 
-    def __init__(self, *, slots: int, pin: bool) -> None:
+    def __init__(self, *, slots: int, pin: bool, huge: bool = False) -> None:
         self.pin = pin
+        #: pageable buffers go on transparent huge pages (:func:`aligned_empty`); they are kept and reused, which is
+        #: what a huge page's larger first-touch cost on some VMs needs (:mod:`tierckpt._memory`)
+        self.huge = huge
         self._slots = [Slot(i) for i in range(slots)]
         self._free = list(self._slots)
         self._cond = threading.Condition()
@@ -212,12 +216,13 @@ class StagingPool:
         slot._views_for, slot._views, slot._headers_for = None, [], None
         t0 = time.perf_counter()
         try:
-            slot.buffer = aligned_empty(size, pin=self.pin)
+            slot.buffer = aligned_empty(size, pin=self.pin, huge=self.huge)
         except RuntimeError as exc:
             raise CheckpointError(f"cannot allocate a {size}-byte staging buffer: {exc}") from exc
         self.allocations += 1
         log.info("staging: allocated %.1f MiB (%s) for slot %d in %.3f s", size / 2**20,
-                 "pinned" if self.pin else "pageable", slot.index, time.perf_counter() - t0)
+                 "pinned" if self.pin else "pageable, huge pages" if self.huge else "pageable", slot.index,
+                 time.perf_counter() - t0)
 
     def reserve(self, nbytes: int) -> Future[float]:
         """Make a slot of at least ``nbytes`` ready on a ``tierckpt-reserve`` thread: allocate it if needed and
@@ -327,11 +332,16 @@ class Populator:
             self._thread.join()
 
 
-def aligned_empty(size: int, *, pin: bool) -> torch.Tensor:
+def aligned_empty(size: int, *, pin: bool, huge: bool = False) -> torch.Tensor:
     """A 1-D uint8 tensor of ``size`` bytes whose first byte sits on a :data:`BUFFER_ALIGN` boundary.
 
-    Allocators align large blocks to 64 bytes or to a page plus a header; one spare page and a view fix that.
+    ``huge`` (pageable buffers only): private anonymous memory on transparent huge pages where the kernel offers
+    them (:func:`tierckpt._memory.anonymous_buffer`: direct reads and writes of it move fewer, larger DMA
+    segments). Otherwise torch's allocator, which aligns large blocks to 64 bytes or to a page plus a header; one
+    spare page and a view fix that. Pinned buffers always come from torch (the CUDA driver allocates them).
     """
+    if huge and not pin:
+        return torch.from_numpy(np.frombuffer(anonymous_buffer(size, huge=True), dtype=np.uint8))
     raw = torch.empty(size + BUFFER_ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % BUFFER_ALIGN
     return raw[skip : skip + size]
