@@ -190,9 +190,10 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
     mem_stream = med.get("memcpy", {}).get("time_stream")
     h = med.get("hash", {})
     # the limit is the fastest raw way to move the bytes: buffered or O_DIRECT, 1 file or N
-    write = min((v for v in (raw.get("write_1f"), raw.get("write_nf"), raw.get("write_nf_direct")) if v), default=None)
-    read_cold = min((v for v in (raw.get("read_cold_1f"), raw.get("read_cold_nf"), raw.get("read_cold_nf_direct"))
-                     if v), default=None)
+    write = min((v for v in (raw.get("write_1f"), raw.get("write_nf"), raw.get("write_nf_direct"),
+                             raw.get("write_nf_direct_huge")) if v), default=None)
+    read_cold = min((v for v in (raw.get("read_cold_1f"), raw.get("read_cold_nf"), raw.get("read_cold_nf_direct"),
+                                 raw.get("read_cold_nf_direct_huge")) if v), default=None)
     read_warm = min((v for v in (raw.get("read_warm_1f"), raw.get("read_warm_nf")) if v), default=None)
     # the same N-file read, timed next to every cold load (measure.cold): the median of the systems' medians
     adjacent = median([v for m in med.values() for k, v in m.items()
@@ -208,8 +209,9 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
         "hash_nt": h.get("time_nt"),
         **{
             k: raw.get(k)
-            for k in ("write_1f", "write_nf", "write_nf_direct", "read_cold_1f", "read_cold_nf",
-                      "read_cold_nf_direct", "read_warm_1f", "read_warm_nf")
+            for k in ("write_1f", "write_nf", "write_nf_direct", "write_nf_direct_huge", "read_cold_1f",
+                      "read_cold_nf", "read_cold_nf_direct", "read_cold_nf_direct_huge", "read_warm_1f",
+                      "read_warm_nf")
         },
         "read_cold_adjacent": adjacent,
         "write_adjacent": adjacent_write,
@@ -294,13 +296,16 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
         "write_1f": "raw write + fsync, 1 file",
         "write_nf": "raw write + fsync, N files on N threads",
         "write_nf_direct": "raw write O_DIRECT + fsync, N files on N threads",
+        "write_nf_direct_huge": "raw write O_DIRECT + fsync, N files on N threads, from huge pages",
         "read_cold_1f": "raw read, cold cache, 1 file",
         "read_cold_nf": "raw read, cold cache, N files",
         "read_cold_nf_direct": "raw read O_DIRECT, N files",
+        "read_cold_nf_direct_huge": "raw read O_DIRECT, N files, into huge pages",
         "read_warm_1f": "raw read, warm cache, 1 file",
         "read_warm_nf": "raw read, warm cache, N files",
-        "read_cold_adjacent": "raw read, cold cache, N files, next to each cold load (median)",
-        "write_adjacent": "raw write O_DIRECT + fsync, N files, next to each steady tierckpt save (median)",
+        "read_cold_adjacent": "raw read O_DIRECT into huge pages, N files, next to each cold load (median)",
+        "write_adjacent": "raw write O_DIRECT + fsync from huge pages, N files, next to each steady tierckpt save "
+                          "(median)",
         "hash_1t": "xxh3_128, 1 thread",
         "hash_nt": "xxh3_128, N threads",
     }
