@@ -115,3 +115,34 @@ def test_huge_pages_auto_follows_the_kernel(tmp_path: Path) -> None:
         assert mgr._pool.huge is huge_pages_available()
     with CheckpointManager(tmp_path / "d", huge_pages=False) as mgr:
         assert mgr._pool.huge is False
+
+
+@needs_thp
+@pytest.mark.parametrize("huge", [True, False])
+def test_uploader_read_buffer_follows_huge_pages(tmp_path: Path, huge: bool) -> None:
+    """``iter_chunks(reuse=True)`` (the uploader's read of a committed file) reads into one buffer on huge pages
+    when the store has ``huge_pages``; the bytes are the file's either way."""
+    from tierckpt.storage.local import LocalStore
+
+    data = torch.randint(0, 256, (3 * HUGE_PAGE + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    store = LocalStore(tmp_path / "s", huge_pages=huge)
+    store.write_bytes("f.bin", bytes(data.numpy()))
+    got, addrs = [], set()
+    for chunk in store.iter_chunks("f.bin", 2 * HUGE_PAGE, reuse=True):
+        assert isinstance(chunk, memoryview)
+        addr = buffer_address(chunk)
+        assert addr is not None
+        addrs.add(addr)
+        if huge:
+            assert addr % HUGE_PAGE == 0 and _huge_kib(addr) >= 2048, "the read buffer is not on huge pages"
+        else:
+            assert _huge_kib(addr) == 0
+        got.append(bytes(chunk))
+    assert b"".join(got) == bytes(data.numpy()) and len(addrs) == 1
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_manager_gives_its_stores_huge_pages(tmp_path: Path, huge: bool) -> None:
+    with CheckpointManager(tmp_path / "c", remote=str(tmp_path / "r"), huge_pages=huge) as mgr:
+        assert mgr.local.huge_pages is huge
+        assert mgr.remote is not None and mgr.remote.huge_pages is huge  # type: ignore[attr-defined]

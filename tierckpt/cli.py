@@ -46,20 +46,21 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
     return out
 
 
-def _open_root(target: str, opts: dict[str, Any] | None,
-               read_concurrency: int | None = None, direct_io: bool = False) -> tuple[Store, int | None]:
-    """The tier root and, when ``target`` is a single step's folder, that step (``direct_io``: for a path)."""
+def _open_root(target: str, opts: dict[str, Any] | None, read_concurrency: int | None = None,
+               direct_io: bool = False, huge_pages: bool = False) -> tuple[Store, int | None]:
+    """The tier root and, when ``target`` is a single step's folder, that step (``direct_io``, ``huge_pages``: for
+    a path)."""
     stripped = target.rstrip("/")
     base = stripped.rsplit("/", 1)[-1]
     step = layout.parse_step_dir(base)
     if step is not None:
         parent = stripped[: -len(base)].rstrip("/") or "/"
         return open_store(parent, storage_options=opts, tier="cli", create=False,
-                          read_concurrency=read_concurrency, direct_io=direct_io), step
+                          read_concurrency=read_concurrency, direct_io=direct_io, huge_pages=huge_pages), step
     if not is_url(target) and not os.path.isdir(target.removeprefix("file://")):
         raise FileNotFoundError(target)
     return open_store(target, storage_options=opts, tier="cli", create=False, read_concurrency=read_concurrency,
-                      direct_io=direct_io), None
+                      direct_io=direct_io, huge_pages=huge_pages), None
 
 
 def _progress(total: int, enabled: bool, desc: str):

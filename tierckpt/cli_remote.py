@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+from ._memory import huge_pages_available
 from .cli import EXIT_BAD, EXIT_OK, EXIT_USAGE, _open_root, _progress, _say, _storage_options, _Usage
 from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import hashing, layout
@@ -77,7 +78,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if args.write_concurrency < 1:
         raise _Usage("--write-concurrency must be >= 1")
     opts = _storage_options(args.storage_option)
-    local, only = _open_root(args.local, None if not is_url(args.local) else opts, direct_io=args.direct_io)
+    # the uploader's read buffer on huge pages where direct reads use it (as the manager's, huge_pages auto)
+    local, only = _open_root(args.local, None if not is_url(args.local) else opts, direct_io=args.direct_io,
+                             huge_pages=args.direct_io and huge_pages_available())
     local.tier = "local"
     local_steps = [s for s in list_root(local).steps if only is None or s == only]
     if not local_steps:

@@ -87,9 +87,9 @@ class CheckpointManager:
             sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
             copy not built) only when the process has a core for each copy thread and each writer, because on
             fewer the writes slow the copy that training waits for (:func:`copier.overlap_pays`).
-        huge_pages: keep the pageable staging buffers and the in-place restore's bounce buffers on transparent
-            huge pages (None, auto: where the kernel offers them for ``madvise``; pinned buffers come from CUDA
-            as they are). Direct reads and writes of them then move 2 MiB DMA segments instead of 4 KiB pages.
+        huge_pages: keep the pageable staging buffers, the in-place restore's bounce buffers and the uploader's
+            read buffers on transparent huge pages (None, auto: where the kernel offers them for ``madvise``;
+            pinned buffers come from CUDA as they are). Direct reads and writes of them then move 2 MiB DMA segments instead of 4 KiB pages.
             False where fresh huge pages are slow, as on VMs whose balloon reports free memory to the host
             (docs/design.md).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
@@ -148,7 +148,10 @@ class CheckpointManager:
         self._preemption = Preemption()
         self._slow = SlowSaveMonitor()
         self.rank, self.world_size = rank_and_world(rank, world_size)
-        self.local: LocalStore = LocalStore(local_dir, tier="local", direct_io=self.options.direct_io)
+        huge = self.options.huge_pages
+        self._huge = huge_pages_available() if huge is None else huge
+        self.local: LocalStore = LocalStore(local_dir, tier="local", direct_io=self.options.direct_io,
+                                            huge_pages=self._huge)
         self._coord = None
         if self.world_size > 1:  # every rank constructs its manager: the groups are created collectively here
             self._coord = Coordinator(self.local.root, timeout_s=self.options.collective_timeout_s)
@@ -169,14 +172,12 @@ class CheckpointManager:
                                          read_concurrency=self.options.remote_read_concurrency,
                                          write_concurrency=self.options.remote_write_concurrency,
                                          direct_io=self.options.direct_io if self.options.remote_direct_io is None
-                                         else self.options.remote_direct_io)
+                                         else self.options.remote_direct_io, huge_pages=self._huge)
         except BaseException:
             self._unlock()
             raise
         cuda = torch.cuda.is_available()
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
-        huge = self.options.huge_pages
-        self._huge = huge_pages_available() if huge is None else huge
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge)
         self._bounce: BounceBuffers | None = None  # in-place restores' direct reads (made by the first: _restore)
         overlap = self.options.overlap_writes

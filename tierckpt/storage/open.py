@@ -24,11 +24,13 @@ def open_store(
     read_concurrency: int | None = None,
     write_concurrency: int | None = None,
     direct_io: bool = False,
+    huge_pages: bool = False,
 ) -> Store:
     """A plain path or ``file://`` URL opens a :class:`LocalStore` (fsync, atomic rename); any other URL goes through
     fsspec, whose backend package is imported only then. ``part_size``, ``read_concurrency`` and
     ``write_concurrency`` (None: the defaults) apply to fsspec stores only; ``direct_io`` (``O_DIRECT`` where the
-    file system accepts it, see :mod:`.local`) to paths only."""
+    file system accepts it, see :mod:`.local`) and ``huge_pages`` (its read buffers on transparent huge pages) to
+    paths only."""
     s = os.fspath(target)
     if not s:
         raise CheckpointError("empty path or URL", tier=tier)
@@ -36,7 +38,7 @@ def open_store(
         from .local import LocalStore
 
         path = s[len("file://") :] if s.startswith("file://") else s
-        return LocalStore(path, tier=tier, create=create, direct_io=direct_io)
+        return LocalStore(path, tier=tier, create=create, direct_io=direct_io, huge_pages=huge_pages)
     from .fsspec_store import FsspecStore
 
     kwargs: dict[str, Any] = {}
