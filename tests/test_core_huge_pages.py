@@ -146,3 +146,30 @@ def test_manager_gives_its_stores_huge_pages(tmp_path: Path, huge: bool) -> None
     with CheckpointManager(tmp_path / "c", remote=str(tmp_path / "r"), huge_pages=huge) as mgr:
         assert mgr.local.huge_pages is huge
         assert mgr.remote is not None and mgr.remote.huge_pages is huge  # type: ignore[attr-defined]
+
+
+@needs_thp
+def test_huge_staging_memory_is_given_back(tmp_path: Path) -> None:
+    """The mapping goes when the pool drops its buffer: closing the manager gives the huge pages back, and a state
+    that grows replaces the buffer rather than keeping both."""
+    import gc
+
+    import psutil
+
+    def rss() -> int:
+        gc.collect()
+        return psutil.Process().memory_info().rss
+
+    small, large = _state(32), _state(96)
+    before = rss()
+    with CheckpointManager(tmp_path / "c", huge_pages=True, pin_memory=False) as mgr:
+        mgr.save(1, small).persisted.result()
+        mgr.save(2, large).persisted.result()  # grows the slot: the 32 MiB buffer goes first
+        buf = mgr._pool._slots[0].buffer
+        assert buf is not None and _huge_kib(buf.data_ptr()) >= 2048
+        held = rss() - before
+        del buf
+    after = rss() - before
+    assert held >= 96 << 20, f"the staging buffer is not resident ({held >> 20} MiB)"
+    assert held < (96 + 32 + 48) << 20, f"the grown pool kept the old buffer too ({held >> 20} MiB)"
+    assert after < 32 << 20, f"closing the manager kept {after >> 20} MiB of staging memory"
