@@ -173,3 +173,26 @@ def test_huge_staging_memory_is_given_back(tmp_path: Path) -> None:
     assert held >= 96 << 20, f"the staging buffer is not resident ({held >> 20} MiB)"
     assert held < (96 + 32 + 48) << 20, f"the grown pool kept the old buffer too ({held >> 20} MiB)"
     assert after < 32 << 20, f"closing the manager kept {after >> 20} MiB of staging memory"
+
+
+def test_a_failed_huge_page_mapping_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmap failing (ENOMEM: no real way to exhaust memory here) surfaces as the pool's CheckpointError with the
+    size, as torch's allocator failing does, and the slot goes back to the pool: the next save may try again
+    instead of waiting forever for a slot nobody holds."""
+    import errno
+
+    from tierckpt import CheckpointError
+    from tierckpt.snapshot import staging
+
+    def fail(size: int, *, huge: bool = False) -> memoryview:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    pool = staging.StagingPool(slots=1, pin=False, huge=True)
+    monkeypatch.setattr(staging, "anonymous_buffer", fail)
+    with pytest.raises(CheckpointError, match=r"cannot allocate a \d+-byte staging buffer"):
+        pool.acquire(3 << 20)
+    monkeypatch.undo()
+    slot = pool.acquire(3 << 20, timeout=5)  # the failed allocation gave its slot back (else: no free slot)
+    assert slot.capacity == 3 << 20
+    pool.release(slot)
+    pool.close()

@@ -10,8 +10,9 @@ mean less work pinning them for each request and fewer TLB misses on any machine
 What it costs: a huge page is faulted in whole. On bare metal that is faster per byte than small pages; on a VM
 whose balloon reports free memory to the host (free page reporting works on 2 MiB blocks) a fresh huge page may
 have to be faulted in by the host too: 4-8 ms each on the reference VM, seconds for a fresh 2 GiB buffer, where
-small pages (taken from smaller free blocks the host still backs) cost 0.2-0.3 s. So huge pages suit buffers that
-are kept and reused (the staging slots, the bounce buffers), and the caller decides (``huge_pages`` option).
+small pages (taken from smaller free blocks the host still backs) cost 0.4-0.6 s. So huge pages suit buffers that
+are kept and reused (the staging slots, the bounce buffers) or small (an upload's read buffer), and the caller
+decides (the manager's ``huge_pages`` option).
 
 Invariants: the returned view starts on a :data:`HUGE_PAGE` boundary when ``huge`` (else on a page), is zero-filled
 until written, and keeps its mapping alive for as long as it or any view of it exists; nothing here imports torch.

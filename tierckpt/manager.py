@@ -89,9 +89,9 @@ class CheckpointManager:
             fewer the writes slow the copy that training waits for (:func:`copier.overlap_pays`).
         huge_pages: keep the pageable staging buffers, the in-place restore's bounce buffers and the uploader's
             read buffers on transparent huge pages (None, auto: where the kernel offers them for ``madvise``;
-            pinned buffers come from CUDA as they are). Direct reads and writes of them then move 2 MiB DMA segments instead of 4 KiB pages.
-            False where fresh huge pages are slow, as on VMs whose balloon reports free memory to the host
-            (docs/design.md).
+            pinned buffers come from CUDA as they are). Direct reads and writes of them then move 2 MiB DMA
+            segments instead of 4 KiB pages. False where fresh huge pages are slow, as on VMs whose balloon
+            reports free memory to the host (docs/design.md).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """

@@ -197,7 +197,11 @@ class StagingPool:
             self._free.sort(key=lambda s: (s.capacity < nbytes, s.capacity))
             slot = self._free.pop(0)
         if slot.capacity < nbytes:
-            self._allocate(slot, nbytes)
+            try:
+                self._allocate(slot, nbytes)
+            except BaseException:
+                self.release(slot)  # no memory now: the slot (without a buffer) stays for the next save to try
+                raise
             return slot, True
         return slot, False
 
@@ -217,7 +221,7 @@ class StagingPool:
         t0 = time.perf_counter()
         try:
             slot.buffer = aligned_empty(size, pin=self.pin, huge=self.huge)
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:  # torch's allocator / mmap (huge pages)
             raise CheckpointError(f"cannot allocate a {size}-byte staging buffer: {exc}") from exc
         self.allocations += 1
         log.info("staging: allocated %.1f MiB (%s) for slot %d in %.3f s", size / 2**20,
