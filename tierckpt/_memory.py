@@ -30,10 +30,23 @@ from ._libc import libc_function
 
 log = logging.getLogger(__name__)
 
-#: Size (and alignment) of a transparent huge page on x86-64 and most aarch64 kernels (4 KiB base pages).
-HUGE_PAGE = 2 << 20
+_THP = "/sys/kernel/mm/transparent_hugepage/"
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _pmd_size() -> int:
+    """The kernel's transparent huge page size: 2 MiB with 4 KiB base pages (x86-64, most aarch64 kernels), larger
+    with larger base pages; 2 MiB where the kernel does not say."""
+    try:
+        with open(_THP + "hpage_pmd_size") as f:
+            size = int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+    return size if size >= mmap.PAGESIZE and size & (size - 1) == 0 else 2 << 20
+
+
+#: Size (and alignment) of a transparent huge page here.
+HUGE_PAGE = _pmd_size()
 
 _madvise = (libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
             if sys.platform.startswith("linux") else None)
@@ -46,7 +59,7 @@ def huge_pages_available() -> bool:
     if _madvise is None:
         return False
     try:
-        with open(_THP_ENABLED) as f:
+        with open(_THP + "enabled") as f:
             mode = f.read()
     except OSError:
         return False
