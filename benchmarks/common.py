@@ -220,17 +220,10 @@ def pack_aligned(tensors: Sequence[torch.Tensor], *, huge: bool = False) -> memo
 
     ``huge``: on transparent huge pages where the kernel offers them (the same memory tierckpt's staging buffers
     use by default): a direct transfer of it moves 2 MiB DMA segments instead of 4 KiB pages, the faster raw way."""
+    from tierckpt.snapshot.staging import aligned_empty  # the memory tierckpt stages in, either way
+
     total = sum(t.nbytes for t in tensors)
-    if huge:
-        import numpy as np
-
-        from tierckpt._memory import anonymous_buffer
-
-        buf = torch.from_numpy(np.frombuffer(anonymous_buffer(total, huge=True), dtype=np.uint8))
-    else:
-        raw = torch.empty(total + DIRECT_ALIGN, dtype=torch.uint8)
-        skip = -raw.data_ptr() % DIRECT_ALIGN
-        buf = raw[skip : skip + total]
+    buf = aligned_empty(total, pin=False, huge=huge)
     off = 0
     for t in tensors:
         if t.nbytes:
