@@ -13,8 +13,8 @@ direct part. The ``fsync`` before ``close()`` returns is the same either way.
 
 Reads: :meth:`LocalStore.readinto_direct` reads the aligned bulk of a page-aligned buffer with ``O_DIRECT`` (a
 restore after a restart: 10-20% faster on the benchmark host's disk, and no second copy through the cache), the
-rest buffered; :meth:`LocalStore.uncached` tells whether a range is mostly out of the page cache (``mincore`` on a
-mapping of the range: no I/O), and the reader (:mod:`tierckpt.tiers.reader`) reads direct only then, so a warm
+rest buffered; :meth:`LocalStore.uncached` tells whether a range is mostly out of the page cache (``cachestat``, else
+``mincore`` on a mapping of the range: no I/O either way), and the reader (:mod:`tierckpt.tiers.reader`) reads direct only then, so a warm
 restore still reads from memory. The kernel writes back dirty cached pages of a range before a direct read of it,
 so either way the bytes are the file's. :meth:`LocalStore.prefetch` queues reads into the page cache
 (``posix_fadvise(WILLNEED)``), so that a buffered in-place restore keeps the disk busy while it parses manifests
@@ -70,17 +70,55 @@ _munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_i
 _mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p], ctypes.c_int)
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                                                "nr_recently_evicted")]
+
+
+#: ``cachestat(2)`` (Linux >= 6.5): the same number on every architecture (new system calls share one table)
+_SYS_CACHESTAT = 451
+_syscall = libc_function("syscall", None, ctypes.c_long) if os.uname().sysname == "Linux" else None
+_cachestat_works = [_syscall is not None]
+
+
+def _cachestat(fd: int, offset: int, length: int) -> int | None:
+    """How many pages of ``[offset, offset + length)`` of ``fd`` are in the page cache, from ``cachestat(2)``;
+    None where the kernel lacks it (then it is not asked again) or refuses this file."""
+    if not _cachestat_works[0]:
+        return None
+    rng, out = _CachestatRange(offset, length), _Cachestat()
+    if _syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(out),
+                ctypes.c_uint(0)) == 0:
+        return out.nr_cache
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter that forbids it
+        _cachestat_works[0] = False
+    return None
+
+
 def cached_share(fd: int, offset: int, length: int) -> float | None:
-    """The share of the pages of bytes ``[offset, offset + length)`` of ``fd`` that are in the page cache, from
-    ``mincore`` on a shared read-only mapping of the range (which maps but never reads); None where it cannot be
-    told (no ``mincore``, a file system that cannot be mapped). ``offset`` must be page-aligned."""
-    if _mmap is None or _munmap is None or _mincore is None or length <= 0:
+    """The share of the pages of bytes ``[offset, offset + length)`` of ``fd`` that are in the page cache; None
+    where it cannot be told. ``offset`` must be page-aligned.
+
+    ``cachestat(2)`` where the kernel has it: it walks only the cached pages (15-70 us for a 0.5 GiB file on the
+    reference VM). Else ``mincore`` on a shared read-only mapping of the range (which maps but never reads): it
+    looks up every page, 7-12 ms for the same file, which a restore paid before each file's first read. They
+    differ on pages still being read in (readahead in flight): ``cachestat`` counts them, ``mincore`` not yet."""
+    if length <= 0:
+        return None
+    pages = -(-length // mmap.PAGESIZE)
+    cached = _cachestat(fd, offset, length)
+    if cached is not None:
+        return min(cached, pages) / pages
+    if _mmap is None or _munmap is None or _mincore is None:
         return None
     addr = _mmap(None, length, _PROT_READ, _MAP_SHARED, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         return None
     try:
-        pages = -(-length // mmap.PAGESIZE)
         vec = ctypes.create_string_buffer(pages)
         if _mincore(addr, length, vec) != 0:
             return None
