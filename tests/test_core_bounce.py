@@ -2,16 +2,19 @@
 buffers, copies each out into the tensors and hashes the bytes where they landed; every guarantee stays.
 
 Real files on the real disk; the page cache is emptied per file (``fsync`` + ``posix_fadvise(DONTNEED)``) and read
-with ``mincore``. Small bounce buffers make every tensor cross several of them.
+with ``cachestat`` or ``mincore``. Small bounce buffers make every tensor cross several of them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +35,7 @@ SMALL = 64 << 10  # bounce buffers of 64 KiB: every large tensor below crosses s
 @pytest.fixture(autouse=True)
 def _small_bounce_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_restore, "BOUNCE_SIZE", SMALL)
+    monkeypatch.setattr(reader, "FUSED_BLOCK", 12 << 10)  # and each copy-out runs in several blocks (not aligned)
 
 
 def _evict_all(folder: Path) -> list[Path]:
@@ -177,25 +181,30 @@ def test_a_failing_direct_read_ends_the_restore_and_gives_every_buffer_back(tmp_
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_after_a_failed_copy_nothing_more_is_copied_but_every_buffer_is_released(threaded):
+def test_after_a_failed_copy_nothing_more_is_copied_but_every_buffer_is_released(threaded, monkeypatch):
     seg = hashing.SegmentHasher([0, 30])
     released: list[int] = []
-    copied: list[int] = []
+    source = bytearray(range(100, 130))
+    src = ctypes.addressof(ctypes.c_char.from_buffer(source))
+    dst = bytearray(30)
+    real_memmove = ctypes.memmove
+    calls: list[int] = []
+
+    def memmove(to: int, from_: int, n: int) -> int:
+        calls.append(from_ - src)
+        if from_ - src == 10:  # the second piece's copy fails
+            raise RuntimeError("copy failed")
+        return real_memmove(to, from_, n)
+
+    monkeypatch.setattr(reader, "ctypes", SimpleNamespace(memmove=memmove))
     executor = ThreadPoolExecutor(1) if threaded else None
     hasher = reader._Hashing(seg, executor)
-
-    def copy(i: int):
-        def run() -> None:
-            if i == 1:
-                raise RuntimeError("copy failed")
-            copied.append(i)
-        return run
-
-    data = memoryview(bytes(range(30)))
+    out = memoryview(dst)
     try:
         for i in range(3):
             try:
-                hasher.feed([data[i * 10 : (i + 1) * 10]], copy=copy(i), release=lambda i=i: released.append(i))
+                hasher.feed([out[i * 10 : (i + 1) * 10]], sources=[src + i * 10],
+                            release=lambda i=i: released.append(i))
             except RuntimeError:
                 assert not threaded and i >= 1  # inline, the error surfaces at once (and again after)
         with pytest.raises(RuntimeError, match="copy failed"):
@@ -203,8 +212,38 @@ def test_after_a_failed_copy_nothing_more_is_copied_but_every_buffer_is_released
     finally:
         if executor is not None:
             executor.shutdown()
-    assert copied == [0] and released == [0, 1, 2]
+    assert calls == [0, 10] and released == [0, 1, 2]
+    assert dst == bytes(range(100, 110)) + bytes(20), "only the first piece was copied"
 
+
+def test_copy_and_hash_copies_in_blocks_and_hashes_what_landed(monkeypatch):
+    """The fused copy-out hashes every block right after copying it: the digests are those of the source bytes,
+    and a destination that is changed between the copy and the hash would show (it is hashed, not the source)."""
+    monkeypatch.setattr(reader, "FUSED_BLOCK", 4096)
+    data = bytes(random.Random(3).randbytes(3 * 4096 + 100))
+    source = bytearray(data)
+    src = ctypes.addressof(ctypes.c_char.from_buffer(source))
+    ends = [1000, 9000, len(data)]
+    seg = hashing.SegmentHasher(ends)
+    dst = bytearray(len(data))
+    view = memoryview(dst)
+    reader._copy_and_hash(seg, [view[:5000], view[5000:5000], view[5000:]], [src, src + 5000, src + 5000])
+    assert dst == data
+    want = [hashing.digest(data[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+    assert seg.digests == want
+
+    # the destination is what is hashed: a copy that lands wrong is caught
+    real_memmove = ctypes.memmove
+
+    def bad_memmove(to: int, from_: int, n: int) -> int:
+        real_memmove(to, from_, n)
+        ctypes.c_char.from_address(to).value = b"\xff" if data[from_ - src] != 0xFF else b"\x00"
+        return to
+
+    monkeypatch.setattr(reader, "ctypes", SimpleNamespace(memmove=bad_memmove))
+    seg = hashing.SegmentHasher(ends)
+    reader._copy_and_hash(seg, [memoryview(bytearray(len(data)))], [src])
+    assert seg.digests[0] != want[0] and seg.digests[2] != want[2]
 
 def test_bounce_buffers_are_bounded_and_hand_each_buffer_to_one_reader_at_a_time():
     with pytest.raises(ValueError, match="multiple"):

@@ -48,6 +48,8 @@ from .tasks import results, submit_all
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 8 << 20
+#: Bytes copied out of a bounce buffer and hashed at a time (:func:`_copy_and_hash`): well inside a core's L2 cache.
+FUSED_BLOCK = 256 << 10
 #: Bytes per read of a file read whole around the page cache (``O_DIRECT``, straight into the staging buffer). A
 #: fresh buffer's pages fault in inside each such read before its transfer starts, so a reader alternates between
 #: faulting and waiting on the disk; 32 MiB reads made 2 GiB default cold restores into fresh buffers 0.59-0.85x as
@@ -274,10 +276,10 @@ def _batches(pieces: list[memoryview]) -> list[list[memoryview]]:
 
 class _Hashing:
     """Feeds one file's pieces, in order, to its hasher: on a thread of ``executor`` (so the reader goes on reading
-    while the last piece is hashed) or, without one, right away on the reader's thread. A piece may come with a
-    ``copy`` to run first (the bytes it hashes are copied there from a bounce buffer) and a ``release`` that always
-    runs after (the bounce buffer goes back), even once an earlier piece failed: then nothing else is copied or
-    hashed, and :meth:`finish` raises that first error."""
+    while the last piece is hashed) or, without one, right away on the reader's thread. A piece may come with the
+    address its bytes are to be copied from first (from a bounce buffer: see :func:`_copy_and_hash`) and the items
+    with a ``release`` that always runs after (the bounce buffer goes back), even once an earlier piece failed:
+    then nothing else is copied or hashed, and :meth:`finish` raises that first error."""
 
     def __init__(self, seg: hashing.SegmentHasher, executor: Executor | None) -> None:
         self.seg = seg
@@ -289,13 +291,14 @@ class _Hashing:
             self._task = executor.submit(self._drain)
 
     def _run(self, item: _Item) -> None:
-        pieces, copy, release = item
+        pieces, sources, release = item
         try:
             if self._error is None:
-                if copy is not None:
-                    copy()
-                for piece in pieces:
-                    self.seg.feed(piece)
+                if sources is not None:
+                    _copy_and_hash(self.seg, pieces, sources)
+                else:
+                    for piece in pieces:
+                        self.seg.feed(piece)
         except BaseException as exc:
             self._error = exc
         finally:
@@ -307,9 +310,11 @@ class _Hashing:
         while (item := self._queue.get()) is not None:
             self._run(item)
 
-    def feed(self, pieces: list[memoryview], *, copy: Callable[[], None] | None = None,
+    def feed(self, pieces: list[memoryview], *, sources: list[int] | None = None,
              release: Callable[[], None] | None = None) -> None:
-        item = (pieces, copy, release)
+        """Hash ``pieces`` (in file order); with ``sources``, first copy each piece's bytes from the address of
+        the same index (its ``nbytes`` of them)."""
+        item = (pieces, sources, release)
         if self._queue is None:
             self._run(item)
             if self._error is not None:
@@ -327,7 +332,24 @@ class _Hashing:
             raise self._error
 
 
-_Item = tuple[list[memoryview], "Callable[[], None] | None", "Callable[[], None] | None"]
+def _copy_and_hash(seg: hashing.SegmentHasher, pieces: list[memoryview], sources: list[int]) -> None:
+    """Copy each piece's bytes in from its source address and hash them where they landed, one
+    :data:`FUSED_BLOCK` at a time: the hash reads each block from the CPU cache right after the copy wrote it
+    there, rather than the whole piece again from memory (copy and hash of 1 GiB on one core here: 0.071 s in
+    256 KiB blocks against 0.096 s in 16 MiB pieces)."""
+    memmove, feed = ctypes.memmove, seg.feed  # foreign calls and xxhash both release the GIL meanwhile
+    for piece, src in zip(pieces, sources):
+        dst = buffer_address(piece)
+        size = piece.nbytes
+        if dst is None:  # an empty piece
+            continue
+        for at in range(0, size, FUSED_BLOCK):
+            n = min(FUSED_BLOCK, size - at)
+            memmove(dst + at, src + at, n)
+            feed(piece[at : at + n])
+
+
+_Item = tuple[list[memoryview], "list[int] | None", "Callable[[], None] | None"]
 
 
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
@@ -416,7 +438,6 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
     buffer back, while this thread reads on into the next one."""
     f = rm.files[index]
     starts = list(accumulate((p.nbytes for p in pieces), initial=0))  # piece j is bytes [starts[j], starts[j+1])
-    addrs = [buffer_address(p) or 0 for p in pieces]  # 0: an empty piece, never copied to
     pos, j = 0, 0
     while pos < f.size:
         check()
@@ -430,23 +451,18 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
             end = pos + n
             src = buffer_address(buf)
             assert src is not None  # a bounce buffer: writable and never empty
-            moves: list[tuple[int, int, int]] = []
             views: list[memoryview] = []
+            sources: list[int] = []
             while j < len(pieces) and starts[j] < end:
                 a, b = max(starts[j], pos), min(starts[j + 1], end)
                 if b > a:
-                    moves.append((addrs[j] + a - starts[j], src + a - pos, b - a))
                     views.append(pieces[j][a - starts[j] : b - starts[j]])
+                    sources.append(src + a - pos)
                 if starts[j + 1] > end:
                     break  # this piece goes on in the next buffer
                 j += 1
-
-            def copy(moves: list[tuple[int, int, int]] = moves) -> None:
-                for dst, from_, size in moves:
-                    ctypes.memmove(dst, from_, size)  # a foreign call: the GIL is released meanwhile
-
             handed = True  # from here the hashing side gives the buffer back, whatever happens
-            hasher.feed(views, copy=copy, release=lambda buf=buf: bounce.release(buf))
+            hasher.feed(views, sources=sources, release=lambda buf=buf: bounce.release(buf))
         finally:
             if not handed:
                 bounce.release(buf)
