@@ -205,6 +205,12 @@ class StagingPool:
             return slot, True
         return slot, False
 
+    def ready(self, nbytes: int) -> bool:
+        """Whether a free slot already holds a buffer of at least ``nbytes`` (an :meth:`acquire` now would neither
+        wait nor allocate, unless another caller takes it first)."""
+        with self._cond:
+            return any(s.capacity >= nbytes for s in self._free)
+
     def release(self, slot: Slot) -> None:
         populator, slot._populator = slot._populator, None
         if populator is not None:
