@@ -289,3 +289,77 @@ def test_a_failing_copy_out_gives_each_buffer_back_exactly_once(tmp_path, monkey
     assert bounce.free() == bounce.count
     assert len({id(b) for b in bounce._free}) == bounce.count  # no buffer listed twice
     assert len({local_mod.buffer_address(b) for b in bounce._free}) == bounce.count
+
+
+def _save_in(mgr: CheckpointManager, state: dict[str, torch.Tensor], step: int) -> None:
+    mgr.save(step, state).persisted.result()
+    mgr.wait()
+
+
+def test_a_manager_that_has_saved_cuts_the_bounce_buffers_from_its_ready_staging_slot(tmp_path, monkeypatch):
+    """After a save the pool holds a slot that is faulted in: the bounce buffers are cut from it for the reads (no
+    memory of their own, no fresh pages), the restore's other bytes go to a private buffer, and the slot goes
+    back once the reads end."""
+    state = _state()
+    private: list[int] = []
+    real_empty = _restore.aligned_empty
+    monkeypatch.setattr(_restore, "aligned_empty", lambda n, **kw: private.append(n) or real_empty(n, **kw))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
+        _save_in(mgr, state, 1)
+        slot = mgr._pool._slots[0]
+        lo, hi = slot.buffer.data_ptr(), slot.buffer.data_ptr() + slot.capacity
+        allocations = mgr._pool.allocations
+        files = _evict_all(step_path(tmp_path, 1))
+        seen: list[int] = []  # where each read through a bounce buffer went (a read of SMALL bytes)
+        real_read = local_mod.LocalStore.readinto_direct
+
+        def spy(self: local_mod.LocalStore, rel: str, offset: int, buf: memoryview) -> int:
+            if buf.nbytes == SMALL:
+                seen.append(local_mod.buffer_address(buf) or 0)
+            return real_read(self, rel, offset, buf)
+
+        monkeypatch.setattr(local_mod.LocalStore, "readinto_direct", spy)
+        assert mgr.restore(out, in_place=True) == 1
+        assert mgr._bounce is None, "the restore made bounce buffers of its own"
+        assert len(seen) > 10 and all(lo <= a < hi for a in seen), "a bounce buffer lay outside the staging slot"
+        assert mgr._pool.allocations == allocations and mgr._pool.ready(slot.capacity), "the slot did not come back"
+        assert len(private) == 1  # the headers and the small tensor
+        _save_in(mgr, state, 2)  # the slot still serves saves
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+    assert files
+
+
+def test_borrowed_bounce_buffers_give_the_slot_back_when_the_restore_fails(tmp_path):
+    state = _state()
+    with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
+        _save_in(mgr, state, 1)
+        folder = step_path(tmp_path, 1)
+        big = max(data_files(folder), key=lambda f: f.stat().st_size)
+        fd = os.open(big, os.O_RDWR)
+        try:
+            mid = big.stat().st_size // 2
+            os.pwrite(fd, bytes([os.pread(fd, 1, mid)[0] ^ 0x5A]), mid)
+        finally:
+            os.close(fd)
+        _evict_all(folder)
+        with pytest.raises(CorruptCheckpointError, match=big.name):
+            mgr.restore({k: torch.zeros_like(v) for k, v in state.items()}, step=1, in_place=True)
+        assert mgr._bounce is None and mgr._pool.ready(1), "the slot the bounce buffers were cut from was kept"
+        _save_in(mgr, state, 2)
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert mgr.restore(out, in_place=True) == 2
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+
+
+def test_borrowed_bounce_memory_is_checked() -> None:
+    mem = memoryview(bytearray(3 * 4096))
+    with pytest.raises(ValueError, match="borrowed"):
+        BounceBuffers(2, 4096, memory=mem[1:])  # too small, and off a page boundary
+    buf = torch.empty(4 * 4096 + 4096, dtype=torch.uint8)
+    skip = -buf.data_ptr() % 4096
+    pool = BounceBuffers(2, 4096, memory=memoryview(buf[skip : skip + 2 * 4096].numpy()))
+    a = pool.acquire()
+    assert local_mod.buffer_address(a) == buf.data_ptr() + skip or local_mod.buffer_address(a) == buf.data_ptr() + skip + 4096

@@ -201,8 +201,12 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             recs = rm.tensors
             scatter = {i: byte_view(t) for i, t in direct.items() if recs[i].nbytes >= DIRECT_READ_MIN_BYTES}
             scattered[0] = sum(recs[i].nbytes for i in scatter)
+            bounce = None
+            if scatter and store.direct_reads:
+                rest = rm_bytes(rm) - scattered[0]
+                bounce = _bounce_buffers(mgr, rm, holder, borrow=rest <= rm_bytes(rm) * SPARSE_MAX_SHARE)
             pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter,
-                                 bounce=_bounce_buffers(mgr, rm) if scatter and store.direct_reads else None)
+                                 bounce=bounce)
         views, offsets = pending.result()
     except BaseException:
         if pending is not None:
@@ -210,6 +214,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         if "release" in holder:
             holder["release"]()
         raise
+    finally:
+        if "bounce_release" in holder:  # every read has ended: the slot the bounce buffers were cut from goes back
+            holder.pop("bounce_release")()
     buf: torch.Tensor = holder["buffer"]
     # records read straight into live tensors are not in the buffer
     loaded = LoadedBuffer(buf, tuple(offsets), frozenset(scatter))
@@ -256,14 +263,31 @@ def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded
             t.copy_(views(i))
 
 
-def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest) -> BounceBuffers:
-    """The manager's bounce buffers for in-place direct reads (``BOUNCE_PER_THREAD`` per io thread, so every reader
-    has one to read into while one is copied out), no larger than this rank's largest file needs; reused by later
-    restores, replaced only by one whose files need larger ones. They take memory only once a read uses them."""
+def rm_bytes(rm: RankManifest) -> int:
+    """Bytes of the buffer a restore of ``rm`` reads into (each file from a page boundary: ``start_load``)."""
+    return sum(-(-f.size // mmap.PAGESIZE) * mmap.PAGESIZE for f in rm.files)
+
+
+def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest, holder: dict[str, Any], *,
+                    borrow: bool) -> BounceBuffers:
+    """Bounce buffers for in-place direct reads (``BOUNCE_PER_THREAD`` per io thread, so every reader has one to
+    read into while one is copied out), no larger than this rank's largest file needs. The manager's own where an
+    earlier restore made them; else, with ``borrow`` (the restore's other bytes go to a private buffer), cut from a
+    staging slot that is ready (faulted in by a save, on huge pages where the pool is), held until the reads end
+    (``holder["bounce_release"]``): no memory of their own and no fresh pages; else the manager's own, made here and
+    kept for later restores (they take memory only once a read uses them)."""
     page = mmap.PAGESIZE
     need = min(BOUNCE_SIZE, -(-max((f.size for f in rm.files), default=1) // page) * page)
-    if mgr._bounce is None or mgr._bounce.size < need:
-        mgr._bounce = BounceBuffers(BOUNCE_PER_THREAD * mgr.options.writer_threads, need, huge=mgr._huge)
+    count = BOUNCE_PER_THREAD * mgr.options.writer_threads
+    if mgr._bounce is not None and mgr._bounce.size >= need:
+        return mgr._bounce
+    if borrow and mgr._pool.ready(count * need):
+        slot = mgr._pool.acquire(count * need)
+        slot._headers_for = None  # about to be overwritten
+        holder["bounce_release"] = partial(mgr._pool.release, slot)
+        assert slot.buffer is not None
+        return BounceBuffers(count, need, memory=memoryview(slot.buffer[: count * need].numpy()))
+    mgr._bounce = BounceBuffers(count, need, huge=mgr._huge)
     return mgr._bounce
 
 
