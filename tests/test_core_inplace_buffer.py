@@ -48,53 +48,45 @@ def _zeros(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
-def test_a_fresh_manager_reads_the_small_rest_into_a_private_buffer_not_a_staging_slot(tmp_path: Path, monkeypatch):
-    state = _state()
+def _restored_in_a_fresh_manager(tmp_path: Path, monkeypatch, state: dict[str, torch.Tensor], *,
+                                 in_place: bool) -> tuple[int, list[int]]:
+    """Save ``state``, restore it with a fresh manager and check the values; returns the staging allocations of that
+    restore and the sizes of the private buffers it took."""
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, state)
         mgr.wait()
     sizes = _spy_private(monkeypatch)
     out = _zeros(state)
     with CheckpointManager(tmp_path) as mgr:
-        assert mgr.restore(out, in_place=True) == 1
-        assert mgr._pool.allocations == 0, "a staging slot was allocated for a few small tensors"
-        assert len(sizes) == 1
-        # a restore after a save finds the save's slot ready and uses it: nothing private
+        assert mgr.restore(out, in_place=in_place) == 1
+        allocations = mgr._pool.allocations
+    for k in state:
+        assert_tensor_equal(out[k], state[k], k)
+    return allocations, sizes
+
+
+def test_a_fresh_manager_reads_the_small_rest_into_a_private_buffer_not_a_staging_slot(tmp_path: Path, monkeypatch):
+    state = _state()
+    allocations, sizes = _restored_in_a_fresh_manager(tmp_path, monkeypatch, state, in_place=True)
+    assert allocations == 0, "a staging slot was allocated for a few small tensors"
+    assert len(sizes) == 1
+    with CheckpointManager(tmp_path) as mgr:  # a restore after a save finds the save's slot ready and uses it
         mgr.save(2, state)
         mgr.wait()
         allocations = mgr._pool.allocations
-        assert mgr.restore(_zeros(state), in_place=True) == 2
-        assert len(sizes) == 1 and mgr._pool.allocations == allocations
+        out = _zeros(state)
+        assert mgr.restore(out, in_place=True) == 2
+        assert len(sizes) == 1 and mgr._pool.allocations == allocations, "a private buffer beside a ready slot"
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
 
 
 def test_a_state_mostly_of_small_tensors_still_reads_into_a_staging_slot(tmp_path: Path, monkeypatch):
-    state = _state(large=False)
-    with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
-    sizes = _spy_private(monkeypatch)
-    out = _zeros(state)
-    with CheckpointManager(tmp_path) as mgr:
-        assert mgr.restore(out, in_place=True) == 1
-        assert mgr._pool.allocations == 1 and not sizes
-    for k in state:
-        assert_tensor_equal(out[k], state[k], k)
+    assert _restored_in_a_fresh_manager(tmp_path, monkeypatch, _state(large=False), in_place=True) == (1, [])
 
 
 def test_a_default_restore_never_uses_a_private_buffer(tmp_path: Path, monkeypatch):
-    state = _state()
-    with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
-    sizes = _spy_private(monkeypatch)
-    with CheckpointManager(tmp_path) as mgr:
-        out = _zeros(state)
-        assert mgr.restore(out) == 1
-        assert mgr._pool.allocations == 1 and not sizes
-    for k in state:
-        assert_tensor_equal(out[k], state[k], k)
+    assert _restored_in_a_fresh_manager(tmp_path, monkeypatch, _state(), in_place=False) == (1, [])
 
 
 def test_a_corrupt_small_tensor_read_into_the_private_buffer_is_found(tmp_path: Path, monkeypatch):
