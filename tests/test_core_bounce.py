@@ -231,6 +231,8 @@ def test_copy_and_hash_copies_in_blocks_and_hashes_what_landed(monkeypatch):
     assert dst == data
     want = [hashing.digest(data[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
     assert seg.digests == want
+    with pytest.raises(ValueError, match="read-only"):  # never a copy to an unknown address
+        reader._copy_and_hash(hashing.SegmentHasher([10]), [memoryview(bytes(10))], [src])
 
     # the destination is what is hashed: a copy that lands wrong is caught
     real_memmove = ctypes.memmove

@@ -203,8 +203,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             scattered[0] = sum(recs[i].nbytes for i in scatter)
             bounce = None
             if scatter and store.direct_reads:
-                rest = rm_bytes(rm) - scattered[0]
-                bounce = _bounce_buffers(mgr, rm, holder, borrow=rest <= rm_bytes(rm) * SPARSE_MAX_SHARE)
+                rest = _buffer_bytes(rm) - scattered[0]
+                bounce = _bounce_buffers(mgr, rm, holder, borrow=rest <= _buffer_bytes(rm) * SPARSE_MAX_SHARE)
             pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter,
                                  bounce=bounce)
         views, offsets = pending.result()
@@ -263,7 +263,7 @@ def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded
             t.copy_(views(i))
 
 
-def rm_bytes(rm: RankManifest) -> int:
+def _buffer_bytes(rm: RankManifest) -> int:
     """Bytes of the buffer a restore of ``rm`` reads into (each file from a page boundary: ``start_load``)."""
     return sum(-(-f.size // mmap.PAGESIZE) * mmap.PAGESIZE for f in rm.files)
 

@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -81,7 +82,7 @@ class _Cachestat(ctypes.Structure):
 
 #: ``cachestat(2)`` (Linux >= 6.5): the same number on every architecture (new system calls share one table)
 _SYS_CACHESTAT = 451
-_syscall = libc_function("syscall", None, ctypes.c_long) if os.uname().sysname == "Linux" else None
+_syscall = libc_function("syscall", None, ctypes.c_long) if sys.platform.startswith("linux") else None
 _cachestat_works = [_syscall is not None]
 
 

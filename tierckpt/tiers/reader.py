@@ -341,7 +341,9 @@ def _copy_and_hash(seg: hashing.SegmentHasher, pieces: list[memoryview], sources
     for piece, src in zip(pieces, sources):
         dst = buffer_address(piece)
         size = piece.nbytes
-        if dst is None:  # an empty piece
+        if dst is None:
+            if size:  # never from a reader: its pieces are writable memory
+                raise ValueError(f"cannot copy into a read-only or non-contiguous piece of {size} bytes")
             continue
         for at in range(0, size, FUSED_BLOCK):
             n = min(FUSED_BLOCK, size - at)
