@@ -35,7 +35,7 @@ from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
-from .tiers.reader import PendingLoad, Prefetch, read_ranks, read_step, start_load
+from .tiers.reader import PendingLoad, Prefetch, buffer_layout, read_ranks, read_step, start_load
 from .tiers.verify import list_root
 
 if TYPE_CHECKING:
@@ -154,10 +154,12 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     prefetch_budget = None if direct_reads and not store.direct_reads else 0
     prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads, budget=prefetch_budget)
     holder: dict[str, Any] = {}
-    scattered = [0]  # bytes the reads put straight into live tensors (known before ``alloc`` is called)
+    # in place: the reads put all but a small rest straight into live tensors (SPARSE_MAX_SHARE; known before
+    # ``alloc`` is called)
+    sparse = [False]
 
     def alloc(n: int) -> memoryview:
-        if scattered[0] and n - scattered[0] <= n * SPARSE_MAX_SHARE and not mgr._pool.ready(n):
+        if sparse[0] and not mgr._pool.ready(n):
             # only the small rest of the files lands here: a private buffer on small pages, of which only those
             # pages are touched, rather than a fresh state-sized staging slot (see SPARSE_MAX_SHARE)
             buffer = aligned_empty(n, pin=False)
@@ -200,11 +202,11 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             # the plan matched each target's dtype and shape to its record: the record's size is the tensor's
             recs = rm.tensors
             scatter = {i: byte_view(t) for i, t in direct.items() if recs[i].nbytes >= DIRECT_READ_MIN_BYTES}
-            scattered[0] = sum(recs[i].nbytes for i in scatter)
+            total = buffer_layout(rm)[1]
+            sparse[0] = bool(scatter) and total - sum(recs[i].nbytes for i in scatter) <= total * SPARSE_MAX_SHARE
             bounce = None
             if scatter and store.direct_reads:
-                rest = _buffer_bytes(rm) - scattered[0]
-                bounce = _bounce_buffers(mgr, rm, holder, borrow=rest <= _buffer_bytes(rm) * SPARSE_MAX_SHARE)
+                bounce = _bounce_buffers(mgr, rm, holder, borrow=sparse[0])
             pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter,
                                  bounce=bounce)
         views, offsets = pending.result()
@@ -261,11 +263,6 @@ def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded
     with torch.no_grad():
         for i, t in small.items():
             t.copy_(views(i))
-
-
-def _buffer_bytes(rm: RankManifest) -> int:
-    """Bytes of the buffer a restore of ``rm`` reads into (each file from a page boundary: ``start_load``)."""
-    return sum(-(-f.size // mmap.PAGESIZE) * mmap.PAGESIZE for f in rm.files)
 
 
 def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest, holder: dict[str, Any], *,

@@ -530,6 +530,16 @@ class PendingLoad:
         wait(self._futures)
 
 
+def buffer_layout(rm: RankManifest) -> tuple[list[int], int]:
+    """Where each file of ``rm`` starts in a restore's buffer (each on a 4 KiB boundary), and the buffer's size."""
+    offsets = []
+    total = 0
+    for f in rm.files:
+        offsets.append(total)
+        total += -(-f.size // 4096) * 4096
+    return offsets, total
+
+
 def start_load(
     store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
     direct: dict[int, memoryview] | None = None, hash_executor: Executor | None = None,
@@ -537,11 +547,7 @@ def start_load(
 ) -> PendingLoad:
     """:func:`load_files`, returning as soon as the sizes are checked, the buffer allocated and the reads queued."""
     check_sizes(store, rm)
-    offsets = []
-    total = 0
-    for f in rm.files:
-        offsets.append(total)
-        total += -(-f.size // 4096) * 4096
+    offsets, total = buffer_layout(rm)
     buf = alloc(total)
     views = tuple(buf[o : o + f.size] for o, f in zip(offsets, rm.files))
     stop = threading.Event()
