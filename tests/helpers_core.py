@@ -98,6 +98,28 @@ def cached_fraction(path: Path, length: int | None = None) -> float:
     return share
 
 
+def evict_data_files(step_folder: Path) -> list[Path]:
+    """Empty the page cache of a step's data files (``fsync`` + ``posix_fadvise(DONTNEED)``), so that a restore
+    reads them cold (around the cache, on a disk that accepts ``O_DIRECT``); skips the test where the cache does
+    not empty. Returns the files."""
+    import pytest
+
+    from tierckpt.storage.local import cached_share
+
+    files = data_files(step_folder)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            share = cached_share(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if share is None or share > 0:
+            pytest.skip("cannot empty the page cache of a file here")
+    return files
+
+
 def step_path(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:010d}"
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, data_files, direct_io_supported, step_path
+from helpers_core import assert_tensor_equal, data_files, direct_io_supported, evict_data_files, step_path
 
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt.format import hashing
@@ -36,21 +36,6 @@ SMALL = 64 << 10  # bounce buffers of 64 KiB: every large tensor below crosses s
 def _small_bounce_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_restore, "BOUNCE_SIZE", SMALL)
     monkeypatch.setattr(reader, "FUSED_BLOCK", 12 << 10)  # and each copy-out runs in several blocks (not aligned)
-
-
-def _evict_all(folder: Path) -> list[Path]:
-    files = data_files(folder)
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            share = cached_share(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        if share is None or share > 0:
-            pytest.skip("cannot empty the page cache of a file here")
-    return files
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -86,7 +71,7 @@ def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_an_in_place_restore_of_an_uncached_step_reads_through_the_bounce_buffers(tmp_path, monkeypatch):
     state = _saved(tmp_path)
-    files = _evict_all(step_path(tmp_path, 1))
+    files = evict_data_files(step_path(tmp_path, 1))
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     live = {k: v.data_ptr() for k, v in out.items()}
     sizes = _spy_direct(monkeypatch)
@@ -125,7 +110,7 @@ def test_a_cached_step_restores_in_place_without_them(tmp_path, monkeypatch):
 
 def test_direct_io_off_restores_in_place_buffered(tmp_path, monkeypatch):
     state = _saved(tmp_path)
-    _evict_all(step_path(tmp_path, 1))
+    evict_data_files(step_path(tmp_path, 1))
     sizes = _spy_direct(monkeypatch)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     with CheckpointManager(tmp_path, direct_io=False) as mgr:
@@ -146,7 +131,7 @@ def test_a_flipped_byte_read_through_the_bounce_buffers_is_found_and_named(tmp_p
         os.pwrite(fd, bytes([os.pread(fd, 1, mid)[0] ^ 0x5A]), mid)
     finally:
         os.close(fd)
-    _evict_all(folder)
+    evict_data_files(folder)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CorruptCheckpointError) as ei:
@@ -158,7 +143,7 @@ def test_a_flipped_byte_read_through_the_bounce_buffers_is_found_and_named(tmp_p
 
 def test_a_failing_direct_read_ends_the_restore_and_gives_every_buffer_back(tmp_path, monkeypatch):
     state = _saved(tmp_path)
-    _evict_all(step_path(tmp_path, 1))
+    evict_data_files(step_path(tmp_path, 1))
     calls = {"n": 0}
     real = local_mod.LocalStore.readinto_direct
 
@@ -268,7 +253,7 @@ def test_bounce_buffers_are_bounded_and_hand_each_buffer_to_one_reader_at_a_time
 def test_a_failing_copy_out_gives_each_buffer_back_exactly_once(tmp_path, monkeypatch, threaded):
     """Whoever fails, the reader or the copy, a bounce buffer goes back once: twice would let two reads share it."""
     _saved(tmp_path)
-    _evict_all(step_path(tmp_path, 1))
+    evict_data_files(step_path(tmp_path, 1))
     store = local_mod.LocalStore(tmp_path, create=False, direct_io=True)
     _, (rm,) = reader.read_manifests(store, 1, ranks=[0])
     targets = {t.index: torch.zeros(t.nbytes, dtype=torch.uint8) for t in rm.tensors if t.nbytes >= 1 << 20}
@@ -312,7 +297,7 @@ def test_a_manager_that_has_saved_cuts_the_bounce_buffers_from_its_ready_staging
         slot = mgr._pool._slots[0]
         lo, hi = slot.buffer.data_ptr(), slot.buffer.data_ptr() + slot.capacity
         allocations = mgr._pool.allocations
-        files = _evict_all(step_path(tmp_path, 1))
+        files = evict_data_files(step_path(tmp_path, 1))
         seen: list[int] = []  # where each read through a bounce buffer went (a read of SMALL bytes)
         real_read = local_mod.LocalStore.readinto_direct
 
@@ -345,7 +330,7 @@ def test_borrowed_bounce_buffers_give_the_slot_back_when_the_restore_fails(tmp_p
             os.pwrite(fd, bytes([os.pread(fd, 1, mid)[0] ^ 0x5A]), mid)
         finally:
             os.close(fd)
-        _evict_all(folder)
+        evict_data_files(folder)
         with pytest.raises(CorruptCheckpointError, match=big.name):
             mgr.restore({k: torch.zeros_like(v) for k, v in state.items()}, step=1, in_place=True)
         assert mgr._bounce is None and mgr._pool.ready(1), "the slot the bounce buffers were cut from was kept"

@@ -1,6 +1,7 @@
-"""A default restore reads into its staging buffer while it checks the state (the plan), and a state mismatch found
-meanwhile stops those reads and changes nothing; an in-place restore plans first (the plan names the tensors it
-reads into). Tensor views over the loaded bytes are made in one step (``as_strided``) and equal the slow path's."""
+"""A staged default restore (remote or compressed files, or a state mostly of small tensors) reads into its staging
+buffer while it checks the state (the plan), and a state mismatch found meanwhile stops those reads and changes
+nothing; an in-place or guarded restore plans first (the plan names the tensors it reads into). Tensor views over
+the loaded bytes are made in one step (``as_strided``) and equal the slow path's."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def _state() -> dict:
 def saved(tmp_path) -> tuple[dict, object]:
     state = _state()
     return state, save_once(tmp_path / "ck", state, 3)
+
+
+@pytest.fixture
+def staged(monkeypatch) -> None:
+    """The default restore of these local files is staged, as a remote one is, not guarded."""
+    monkeypatch.setattr(_restore, "GUARD_MIN_SHARE", 2.0)
 
 
 class _Reads:
@@ -69,7 +76,7 @@ def _watch_plan(monkeypatch, reads: _Reads, *, wait_for_read: bool) -> dict:
     return seen
 
 
-def test_default_restore_reads_while_it_plans(saved, monkeypatch):
+def test_staged_restore_reads_while_it_plans(saved, staged, monkeypatch):
     state, root = saved
     reads = _Reads(monkeypatch)
     seen = _watch_plan(monkeypatch, reads, wait_for_read=True)
@@ -80,19 +87,20 @@ def test_default_restore_reads_while_it_plans(saved, monkeypatch):
     assert_tree_equal(target, state)
 
 
-def test_in_place_restore_plans_before_it_reads(saved, monkeypatch):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "guarded"])
+def test_in_place_and_guarded_restores_plan_before_they_read(saved, monkeypatch, in_place):
     state, root = saved
     reads = _Reads(monkeypatch)
     seen = _watch_plan(monkeypatch, reads, wait_for_read=False)
     target = zeros_like_tree(state)
     with tierckpt.CheckpointManager(root, file_size_mb=1) as mgr:
-        assert mgr.restore(target, in_place=True) == 3
+        assert mgr.restore(target, in_place=in_place) == 3
     assert seen["read_before_plan"] is False
     assert reads.first.is_set()
     assert_tree_equal(target, state)
 
 
-def test_a_mismatch_found_while_reading_stops_the_reads_and_changes_nothing(saved, monkeypatch):
+def test_a_mismatch_found_while_reading_stops_the_reads_and_changes_nothing(saved, staged, monkeypatch):
     state, root = saved
     monkeypatch.setattr(reader, "READ_CHUNK", 64 << 10)  # many small reads: most are still queued when planning fails
     reads = _Reads(monkeypatch, delay=0.01)

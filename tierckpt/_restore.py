@@ -5,12 +5,18 @@ and the next copy, then the next older step, is tried. State mismatches (keys, s
 they are raised before the state changes (a default restore, whose reads into its staging buffer start while the
 state is checked, stops them first), and the state is left untouched.
 
-By default every byte is read into a staging slot and verified before the state changes, so a restore that fails
-leaves the state as it was. ``in_place=True`` reads the bytes of CPU tensors of at least
-:data:`DIRECT_READ_MIN_BYTES` straight into the tensors (no second copy; what DCP users expect at start-up) and
-copies the smaller ones in from the buffer once verified: the bytes are still verified before ``restore`` returns,
-a corrupt copy is still skipped and the next one loaded over it, but a restore that finds no intact copy leaves
-the large tensors partly overwritten, and its error says so.
+By default a restore that fails leaves the state as it was. Where the files are local and uncompressed, the
+default restore is *guarded*: the bytes of CPU tensors of at least :data:`DIRECT_READ_MIN_BYTES` are read straight
+into the tensors, and each range's old bytes are first saved into the staging slot, at the range's place in its
+file (:class:`~tierckpt.tiers.undo.UndoLog`); a restore that fails (a checksum, a short file, an interrupt, another
+rank that cannot load the step) puts them back before it returns or raises. Elsewhere (remote files, compressed
+files, a remote restore cached locally) every byte is read into the slot and verified before the state changes.
+Either way the tensors hold the new bytes only once every byte is verified.
+
+``in_place=True`` reads the same large tensors in place without saving anything (no second copy and no state-sized
+slot; what DCP users expect at start-up) and copies the smaller ones in from the buffer once verified: the bytes
+are still verified before ``restore`` returns, a corrupt copy is still skipped and the next one loaded over it, but
+a restore that finds no intact copy leaves the large tensors partly overwritten, and its error says so.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from .tiers.reader import PendingLoad, Prefetch, buffer_layout, read_ranks, read_step, start_load
+from .tiers.undo import UndoLog
 from .tiers.verify import list_root
 
 if TYPE_CHECKING:
@@ -55,6 +62,11 @@ DIRECT_READ_MIN_BYTES = 256 << 10
 #: benchmark state touched 132 of them, 264 MiB for 2 MiB of bytes, 4-8 ms each on the benchmark VM), on small pages
 #: it faults in 4 KiB ones (511 of them). A slot that is ready costs nothing and is used.
 SPARSE_MAX_SHARE = 0.25
+#: A default restore is guarded (see the module docstring) where the tensors of at least
+#: :data:`DIRECT_READ_MIN_BYTES` hold at least this share of the bytes: it saves their copy after the last read (2
+#: GiB: about 90 ms on the benchmark VM) but plans before it reads, where a staged restore plans while the disk
+#: works (the benchmark state's 592 tensors: 0.5 ms; more at many small tensors, whose bytes are staged anyway).
+GUARD_MIN_SHARE = 0.5
 
 
 def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
@@ -114,13 +126,18 @@ def _overwritten(in_place: bool) -> str:
 
 class Prepared:
     """A step read and verified into a buffer, not yet applied: ``apply()`` loads it into the state (once),
-    ``release()`` gives the buffer back (always; idempotent)."""
+    ``release()`` gives the buffer back (always; idempotent). A guarded restore's ``undo`` puts the tensors'
+    old bytes back on a release without ``apply`` (the other ranks could not load the step)."""
 
-    def __init__(self, release: Callable[[], None], run: Callable[[], None]) -> None:
+    def __init__(self, release: Callable[[], None], run: Callable[[], None], undo: UndoLog | None = None) -> None:
         self._release: Callable[[], None] | None = release
         self._run = run
+        self._undo = undo
 
     def apply(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo.discard()
         try:
             self._run()
         finally:
@@ -129,20 +146,32 @@ class Prepared:
     def release(self) -> None:
         if self._release is not None:
             release, self._release = self._release, None
-            release()
+            undo, self._undo = self._undo, None
+            try:
+                if undo is not None:
+                    undo.rollback()
+            finally:
+                release()
 
 
 def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool, *,
             in_place: bool = False) -> Prepared:
     """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
-    in ``state`` until :meth:`Prepared.apply`, except, with ``in_place``, the CPU tensors the bytes are read into."""
+    in ``state`` until :meth:`Prepared.apply`, except the CPU tensors the bytes are read into: with ``in_place``,
+    and in a guarded restore (the default on a store of local, uncompressed files), whose :class:`UndoLog` puts
+    their old bytes back if the restore fails or is released unapplied."""
     manifest = read_step(store, step)
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
     src = mgr.rank if mgr.rank < manifest.world_size else 0
     cache = store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1
     # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
-    direct_reads = in_place and not cache
+    in_place = in_place and not cache
+    # the default restore is guarded where its files can be read straight into the tensors: the reads go there, as
+    # with ``in_place``, each range's old bytes saved into the staging buffer first, which saves the copy of every
+    # byte from the buffer into the tensors after the last read (see .tiers.undo)
+    guardable = not in_place and not cache and store.local_path is not None
+    direct_reads = in_place or guardable  # decided for good once the rank manifest is read
     # Reads into the staging buffer do not depend on the plan, so they start first and the plan (long at many
     # tensors: it pairs every live tensor, the optimizer's included) runs while the disk works. Direct reads need
     # the plan's targets first; while it is made, the store is asked to prefetch (0.5 GiB of 10,000 tensors, cold,
@@ -157,6 +186,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     # in place: the reads put all but a small rest straight into live tensors (SPARSE_MAX_SHARE; known before
     # ``alloc`` is called)
     sparse = [False]
+    undo: UndoLog | None = None
 
     def alloc(n: int) -> memoryview:
         if sparse[0] and not mgr._pool.ready(n):
@@ -165,9 +195,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             buffer = aligned_empty(n, pin=False)
             holder["buffer"], holder["release"] = buffer, lambda: None
             return memoryview(buffer.numpy())
-        # a fresh buffer's pages fault in beside the reads that fill it (not beside direct reads, which leave
-        # most of it untouched)
-        slot = mgr._pool.acquire(n, populate=not direct_reads)
+        # a fresh buffer's pages fault in beside the reads that fill it (not beside in-place reads, which leave
+        # most of it untouched; a guarded restore saves the old bytes there)
+        slot = mgr._pool.acquire(n, populate=not in_place)
         slot._headers_for = None  # the checkpoint's bytes will overwrite the headers a save left there
         assert slot.buffer is not None
         holder["buffer"], holder["release"] = slot.buffer, partial(mgr._pool.release, slot)
@@ -183,6 +213,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             if not rms:
                 raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
             rm = rms[0]
+            direct_reads = in_place or (guardable and _worth_guarding(rm))
             if not direct_reads:
                 try:
                     pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash)
@@ -203,18 +234,25 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             recs = rm.tensors
             scatter = {i: byte_view(t) for i, t in direct.items() if recs[i].nbytes >= DIRECT_READ_MIN_BYTES}
             total = buffer_layout(rm)[1]
-            sparse[0] = bool(scatter) and total - sum(recs[i].nbytes for i in scatter) <= total * SPARSE_MAX_SHARE
+            # a guarded restore saves the old bytes at their file offsets: it needs the whole buffer
+            sparse[0] = (in_place and bool(scatter)
+                         and total - sum(recs[i].nbytes for i in scatter) <= total * SPARSE_MAX_SHARE)
             bounce = None
             if scatter and store.direct_reads:
                 bounce = _bounce_buffers(mgr, rm, holder, borrow=sparse[0])
+            undo = UndoLog() if scatter and not in_place else None
             pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter,
-                                 bounce=bounce)
+                                 bounce=bounce, undo=undo)
         views, offsets = pending.result()
     except BaseException:
         if pending is not None:
             pending.cancel()  # a state mismatch: stop reading (a failed read: every read has ended already)
-        if "release" in holder:
-            holder["release"]()
+        try:
+            if undo is not None:  # no read runs any more: the tensors get their old bytes back
+                undo.rollback()
+        finally:
+            if "release" in holder:
+                holder["release"]()
         raise
     finally:
         if "bounce_release" in holder:  # every read has ended: the slot the bounce buffers were cut from goes back
@@ -222,21 +260,23 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     buf: torch.Tensor = holder["buffer"]
     # records read straight into live tensors are not in the buffer
     loaded = LoadedBuffer(buf, tuple(offsets), frozenset(scatter))
-    if len(scatter) < len(direct):  # the small targets, from the verified bytes, before anything reads them
-        _fill_small_targets(rm, {i: t for i, t in direct.items() if i not in loaded.skip}, loaded)
+    small = {i: t for i, t in direct.items() if i not in loaded.skip}
 
     def raw(i: int) -> torch.Tensor:
         if i in direct:  # the live tensor itself: the copy in ``apply`` finds nothing to do
             return direct[i].reshape(-1).view(torch.uint8)
         return loaded.bytes_of(rm.tensors[i])
 
+    prepared = Prepared(holder["release"], lambda: run(), undo)
     try:
         assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw))
     except BaseException:
-        holder["release"]()
+        prepared.release()
         raise
 
     def run() -> None:
+        if small:  # the small targets, from the verified bytes, before anything reads them
+            _fill_small_targets(rm, small, loaded)
         # a live target's value is the live tensor itself (``raw``), never a view of the buffer that goes back to
         # the pool: the small targets' bytes are in both, but an optimizer may keep the tensor it is handed
         views_of = tensor_view_factory(rm.tensors, raw, buffer=buf, file_starts=offsets, skip=frozenset(direct))
@@ -246,7 +286,15 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         if cache:
             _cache_locally(mgr.local, manifest, rm, views)
 
-    return Prepared(holder["release"], run)
+    return prepared
+
+
+def _worth_guarding(rm: RankManifest) -> bool:
+    """Whether a default restore of ``rm`` from local files is guarded (:data:`GUARD_MIN_SHARE`)."""
+    if any(f.compression for f in rm.files):
+        return False  # a compressed file is decompressed into the buffer: nothing of it can go straight in
+    large = sum(t.nbytes for t in rm.tensors if t.nbytes >= DIRECT_READ_MIN_BYTES)
+    return large > 0 and large >= GUARD_MIN_SHARE * sum(t.nbytes for t in rm.tensors)
 
 
 def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded: LoadedBuffer) -> None:

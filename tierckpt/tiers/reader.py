@@ -9,6 +9,9 @@ Invariants:
 - ``direct`` reads (restore with ``in_place=True``) put a file's bytes straight into the caller's tensors on stores
   with a local path; those bytes are hashed where they land and a mismatch still raises, but only after they were
   written there. Other stores read into the buffer, verify, then copy;
+- with an ``undo`` log (a guarded default restore), every range of a caller's tensor is saved into the buffer, at
+  its place in the file, before a read or copy writes it (:mod:`.undo`), so the caller can put the old bytes back
+  once :class:`PendingLoad` has ended;
 - on a ``direct_reads`` store, a file that is mostly not in the page cache (asked once per file) is read around it
   (:meth:`Store.readinto_direct`), so a restore after a restart neither fills the page cache nor pays for its copy:
   a file read whole goes into the (page-aligned) buffer, a scattered one through :mod:`.bounce` buffers (the
@@ -44,6 +47,7 @@ from ..storage.local import buffer_address
 from ..storage.readahead import ReadAhead, each
 from .bounce import BounceBuffers
 from .tasks import results, submit_all
+from .undo import UndoLog
 
 log = logging.getLogger(__name__)
 
@@ -279,10 +283,12 @@ class _Hashing:
     while the last piece is hashed) or, without one, right away on the reader's thread. A piece may come with the
     address its bytes are to be copied from first (from a bounce buffer: see :func:`_copy_and_hash`) and the items
     with a ``release`` that always runs after (the bounce buffer goes back), even once an earlier piece failed:
-    then nothing else is copied or hashed, and :meth:`finish` raises that first error."""
+    then nothing else is copied or hashed, and :meth:`finish` raises that first error. With ``undo`` (a guarded
+    restore), a copied piece may come with the address its old bytes are saved to first."""
 
-    def __init__(self, seg: hashing.SegmentHasher, executor: Executor | None) -> None:
+    def __init__(self, seg: hashing.SegmentHasher, executor: Executor | None, undo: UndoLog | None = None) -> None:
         self.seg = seg
+        self._undo = undo
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue[_Item | None] | None = None
         self._task: Future[None] | None = None
@@ -291,11 +297,11 @@ class _Hashing:
             self._task = executor.submit(self._drain)
 
     def _run(self, item: _Item) -> None:
-        pieces, sources, release = item
+        pieces, sources, saves, release = item
         try:
             if self._error is None:
                 if sources is not None:
-                    _copy_and_hash(self.seg, pieces, sources)
+                    _copy_and_hash(self.seg, pieces, sources, saves, self._undo)
                 else:
                     for piece in pieces:
                         self.seg.feed(piece)
@@ -311,10 +317,13 @@ class _Hashing:
             self._run(item)
 
     def feed(self, pieces: list[memoryview], *, sources: list[int] | None = None,
-             release: Callable[[], None] | None = None) -> None:
+             saves: list[int | None] | None = None, release: Callable[[], None] | None = None) -> None:
         """Hash ``pieces`` (in file order); with ``sources``, first copy each piece's bytes from the address of
-        the same index (its ``nbytes`` of them)."""
-        item = (pieces, sources, release)
+        the same index (its ``nbytes`` of them), and with ``saves``, before that save the piece's old bytes to the
+        address of the same index where it is not None (into the undo log)."""
+        if saves is not None and self._undo is None:
+            raise ValueError("saving old bytes needs the undo log of a guarded restore")
+        item = (pieces, sources, saves, release)
         if self._queue is None:
             self._run(item)
             if self._error is not None:
@@ -332,31 +341,38 @@ class _Hashing:
             raise self._error
 
 
-def _copy_and_hash(seg: hashing.SegmentHasher, pieces: list[memoryview], sources: list[int]) -> None:
+def _copy_and_hash(seg: hashing.SegmentHasher, pieces: list[memoryview], sources: list[int],
+                   saves: list[int | None] | None = None, undo: UndoLog | None = None) -> None:
     """Copy each piece's bytes in from its source address and hash them where they landed, one
     :data:`FUSED_BLOCK` at a time: the hash reads each block from the CPU cache right after the copy wrote it
     there, rather than the whole piece again from memory (copy and hash of 1 GiB on one core here: 0.071 s in
-    256 KiB blocks against 0.096 s in 16 MiB pieces)."""
+    256 KiB blocks against 0.096 s in 16 MiB pieces). With ``saves`` (a guarded restore), each block's old bytes
+    are first saved into ``undo``, which also brings the block into the cache the copy then writes."""
     memmove, feed = ctypes.memmove, seg.feed  # foreign calls and xxhash both release the GIL meanwhile
-    for piece, src in zip(pieces, sources):
+    for j, (piece, src) in enumerate(zip(pieces, sources)):
         dst = buffer_address(piece)
         size = piece.nbytes
         if dst is None:
             if size:  # never from a reader: its pieces are writable memory
                 raise ValueError(f"cannot copy into a read-only or non-contiguous piece of {size} bytes")
             continue
+        saved_at = saves[j] if saves is not None else None
         for at in range(0, size, FUSED_BLOCK):
             n = min(FUSED_BLOCK, size - at)
+            if saved_at is not None:
+                assert undo is not None
+                undo.save(dst + at, saved_at + at, n)
             memmove(dst + at, src + at, n)
             feed(piece[at : at + n])
 
 
-_Item = tuple[list[memoryview], "list[int] | None", "Callable[[], None] | None"]
+_Item = tuple[list[memoryview], "list[int] | None", "list[int | None] | None", "Callable[[], None] | None"]
 
 
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
                    direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None,
-                   stop: threading.Event | None = None, bounce: BounceBuffers | None = None) -> None:
+                   stop: threading.Event | None = None, bounce: BounceBuffers | None = None,
+                   undo: UndoLog | None = None) -> None:
     """Read one data file into ``out`` (exactly its size), hashing as it goes; raises on any mismatch.
 
     ``direct``: record index -> memory the tensor's bytes go to instead of ``out`` (see the module docstring).
@@ -364,21 +380,25 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
     ``stop``: once set, the read ends before its next chunk with :class:`LoadCancelled`.
     ``bounce``: buffers through which ``direct`` reads of a file not in the page cache go with ``O_DIRECT`` (on a
     ``direct_reads`` store; see :mod:`.bounce`); without them such reads are buffered.
+    ``undo``: a guarded restore: the old bytes of each ``direct`` range are saved into it (at their place in
+    ``out``) just before the range is written; such a file must scatter (a local, uncompressed file).
     """
     f = rm.files[index]
     rel = join(layout.step_dir(rm.step), f.name)
     seg = hashing.SegmentHasher(segment_ends(rm, index))
     mine = {i: v for i, v in (direct or {}).items() if rm.tensors[i].file == index}
     scatter = bool(mine) and store.local_path is not None and not f.compression
+    if undo is not None and mine and not scatter:
+        raise ValueError(f"a guarded restore reads {f.name} in place, but it cannot be read straight into tensors")
     if f.compression:
         from .uploader import fetch_file
 
         fetch_file(store, layout.step_dir(rm.step), f, out)
         seg.feed(out)
     else:
-        hasher = _Hashing(seg, hash_executor)
+        hasher = _Hashing(seg, hash_executor, undo)
         try:
-            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher, stop, bounce)
+            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher, stop, bounce, undo)
         finally:
             hasher.finish()
     if seg.file_checksum() != f.checksum:
@@ -395,11 +415,11 @@ class LoadCancelled(Exception):
 
 def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memoryview,
                  scatter: dict[int, memoryview] | None, hasher: _Hashing, stop: threading.Event | None,
-                 bounce: BounceBuffers | None = None) -> None:
+                 bounce: BounceBuffers | None = None, undo: UndoLog | None = None) -> None:
     """Read file ``index`` in order (vectored into ``scatter`` tensors and ``out``, or all into ``out``), handing
     each piece read to ``hasher``; checks ``stop`` before every read. On a ``direct_reads`` store, a file that is
     mostly not in the page cache (asked once, before its first read) is read around the cache: straight into
-    ``out``, or, when it scatters, through ``bounce`` (if given)."""
+    ``out``, or, when it scatters, through ``bounce`` (if given). ``undo``: see :func:`read_file_into`."""
     f = rm.files[index]
     pos = 0
 
@@ -410,11 +430,13 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
     if scatter:
         pieces = _pieces(rm, index, out, scatter)
         if bounce is not None and store.reads_direct(rel, 0, f.size):
-            _read_bounced(store, rm, index, rel, pieces, bounce, hasher, check)
+            _read_bounced(store, rm, index, rel, pieces, bounce, hasher, check, out if undo is not None else None)
             return
         for batch in _batches(pieces):
             check()
             want = sum(b.nbytes for b in batch)
+            if undo is not None:
+                undo.keep(batch, pos, out)
             n = store.readinto_many(rel, pos, batch)
             if n != want:
                 raise ends_early_error(store, rm, index, pos + n)
@@ -434,10 +456,12 @@ def _read_pieces(store: Store, rm: RankManifest, index: int, rel: str, out: memo
 
 
 def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: list[memoryview],
-                  bounce: BounceBuffers, hasher: _Hashing, check: Callable[[], None]) -> None:
+                  bounce: BounceBuffers, hasher: _Hashing, check: Callable[[], None],
+                  saved_in: memoryview | None = None) -> None:
     """Read file ``index`` with ``O_DIRECT`` into bounce buffers, one buffer a read; the file's hashing task copies
     each buffer out into ``pieces`` (which tile the file in order), hashes the bytes where they landed and gives the
-    buffer back, while this thread reads on into the next one."""
+    buffer back, while this thread reads on into the next one. ``saved_in``: a guarded restore's buffer for the
+    file, where the hashing task first saves the old bytes of each live piece (:meth:`UndoLog.place`)."""
     f = rm.files[index]
     starts = list(accumulate((p.nbytes for p in pieces), initial=0))  # piece j is bytes [starts[j], starts[j+1])
     pos, j = 0, 0
@@ -455,16 +479,20 @@ def _read_bounced(store: Store, rm: RankManifest, index: int, rel: str, pieces: 
             assert src is not None  # a bounce buffer: writable and never empty
             views: list[memoryview] = []
             sources: list[int] = []
+            saves: list[int | None] | None = None if saved_in is None else []
             while j < len(pieces) and starts[j] < end:
                 a, b = max(starts[j], pos), min(starts[j + 1], end)
                 if b > a:
                     views.append(pieces[j][a - starts[j] : b - starts[j]])
                     sources.append(src + a - pos)
+                    if saves is not None:
+                        assert saved_in is not None
+                        saves.append(UndoLog.place(views[-1], a, saved_in))
                 if starts[j + 1] > end:
                     break  # this piece goes on in the next buffer
                 j += 1
             handed = True  # from here the hashing side gives the buffer back, whatever happens
-            hasher.feed(views, sources=sources, release=lambda buf=buf: bounce.release(buf))
+            hasher.feed(views, sources=sources, saves=saves, release=lambda buf=buf: bounce.release(buf))
         finally:
             if not handed:
                 bounce.release(buf)
@@ -543,14 +571,16 @@ def buffer_layout(rm: RankManifest) -> tuple[list[int], int]:
 def start_load(
     store: Store, rm: RankManifest, alloc: Callable[[int], memoryview], *, executor: Executor,
     direct: dict[int, memoryview] | None = None, hash_executor: Executor | None = None,
-    bounce: BounceBuffers | None = None,
+    bounce: BounceBuffers | None = None, undo: UndoLog | None = None,
 ) -> PendingLoad:
-    """:func:`load_files`, returning as soon as the sizes are checked, the buffer allocated and the reads queued."""
+    """:func:`load_files`, returning as soon as the sizes are checked, the buffer allocated and the reads queued.
+    ``undo``: a guarded restore (see :func:`read_file_into` and :mod:`.undo`)."""
     check_sizes(store, rm)
     offsets, total = buffer_layout(rm)
     buf = alloc(total)
     views = tuple(buf[o : o + f.size] for o, f in zip(offsets, rm.files))
     stop = threading.Event()
     futures = submit_all(executor, lambda i: read_file_into(store, rm, i, views[i], direct, hash_executor=hash_executor,
-                                                            stop=stop, bounce=bounce), range(len(rm.files)))
+                                                            stop=stop, bounce=bounce, undo=undo),
+                         range(len(rm.files)))
     return PendingLoad(futures, views, tuple(offsets), stop)
