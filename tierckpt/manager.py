@@ -457,12 +457,13 @@ class CheckpointManager:
                 strict: bool = True, in_place: bool = False) -> int | None:
         """Load the newest intact step (or exactly ``step``) into ``state`` in place; returns the step or None.
 
-        By default every byte is verified in a staging buffer before the state changes: a failed restore leaves
-        the state as it was. ``in_place=True`` reads CPU tensors' bytes straight into them (no extra copy or
-        state-sized buffer; the lean choice at start-up): still verified before this returns, a corrupt copy is
-        still replaced by the next one, but if no copy verifies, those tensors are left partly overwritten. Both
-        read files that are not in the page cache around it (``direct_io``); in place is the faster one cold on
-        the benchmark host (docs/benchmarks.md).
+        By default a failed restore leaves the state as it was: from local files the large CPU tensors are read
+        in place after each range's old bytes are saved into a staging buffer, and put back if anything fails
+        (guarded); remote or compressed files are verified in the staging buffer before the state changes
+        (staged). ``in_place=True`` reads CPU tensors' bytes straight into them and saves nothing (no state-sized
+        buffer; the lean choice at start-up): still verified before this returns, a corrupt copy is still replaced
+        by the next one, but if no copy verifies, those tensors are left partly overwritten. All read files that
+        are not in the page cache around it (``direct_io``); see docs/benchmarks.md for their times.
         """
         self._check_open()
         if not isinstance(in_place, bool):
