@@ -99,6 +99,25 @@ def restore_into_empty(mgr, rank: int, **kw: Any) -> dict[str, Any]:
     return {"restored": step, "state": summarize(state), "loads": list(LOADS)}
 
 
+def guarded_restore_into_empty(mgr, rank: int, **kw: Any) -> dict[str, Any]:
+    """A default restore with every tensor read in place and guarded (these tensors are far below the size that
+    is otherwise read in place), recording the bytes each of this rank's undo logs put back."""
+    from unittest import mock
+
+    from tierckpt import _restore
+    from tierckpt.tiers.undo import UndoLog
+
+    put_back: list[int] = []
+    real = UndoLog.rollback
+
+    def rollback(log: UndoLog) -> int:
+        put_back.append(real(log))
+        return put_back[-1]
+
+    with mock.patch.object(_restore, "DIRECT_READ_MIN_BYTES", 0), mock.patch.object(UndoLog, "rollback", rollback):
+        return {**restore_into_empty(mgr, rank, **kw), "put_back": put_back}
+
+
 def wait_result(mgr) -> dict[str, Any] | None:
     try:
         mgr.wait()
@@ -230,6 +249,7 @@ def scenario_posix2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
                 flip_byte(data_file(step_dir(local, 2), 1))  # and its step 2 is corrupt
             dist.barrier()
             out["corrupt_fallback"] = restore_into_empty(mgr, rank)
+            out["corrupt_explicit_guarded"] = guarded_restore_into_empty(mgr, rank, step=2)
             # in place: rank 0 reads its intact step 2 into its tensors, rank 1 finds its copy corrupt; both then
             # load step 1 over whatever they read
             out["corrupt_fallback_in_place"] = restore_into_empty(mgr, rank, in_place=True)

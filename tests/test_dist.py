@@ -158,6 +158,12 @@ def test_different_local_progress_agree_on_newest_common_step(posix2: Run) -> No
         # rank 1's step 2 is corrupt: both fall back to 1, never a mix of steps
         assert r[rank]["corrupt_fallback"]["restored"] == 1, r[rank]["corrupt_fallback"]
         assert r[rank]["corrupt_fallback"]["state"] == expected(rank, 1)
+        # exactly step 2, guarded: rank 0 read its intact copy into its tensors, rank 1 cannot load it; rank 0 puts
+        # the old bytes back before both raise, so its state is as it was
+        g = r[rank]["corrupt_explicit_guarded"]
+        assert g["error"]["type"] == "CorruptCheckpointError" and g["error"]["step"] == 2, g
+        assert g["state"] == summarize(_empty(rank))
+        assert rank == 1 or (len(g["put_back"]) == 1 and g["put_back"][0] > 0), g
         assert r[rank]["corrupt_fallback_in_place"]["restored"] == 1, r[rank]["corrupt_fallback_in_place"]
         assert r[rank]["corrupt_fallback_in_place"]["state"] == expected(rank, 1)
         e = r[rank]["explicit_missing"]["error"]

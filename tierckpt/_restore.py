@@ -204,7 +204,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         return memoryview(slot.buffer[:n].numpy())
 
     pending: PendingLoad | None = None
-    direct: dict[int, torch.Tensor] = {}  # record -> live tensor that receives its bytes (in_place)
+    direct: dict[int, torch.Tensor] = {}  # record -> live tensor that receives its bytes (in place or guarded)
     scatter: dict[int, memoryview] = {}  # the part of ``direct`` the reads go straight into
     try:
         early: CorruptCheckpointError | None = None
@@ -267,13 +267,6 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             return direct[i].reshape(-1).view(torch.uint8)
         return loaded.bytes_of(rm.tensors[i])
 
-    prepared = Prepared(holder["release"], lambda: run(), undo)
-    try:
-        assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw))
-    except BaseException:
-        prepared.release()
-        raise
-
     def run() -> None:
         if small:  # the small targets, from the verified bytes, before anything reads them
             _fill_small_targets(rm, small, loaded)
@@ -286,6 +279,12 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
         if cache:
             _cache_locally(mgr.local, manifest, rm, views)
 
+    prepared = Prepared(holder["release"], run, undo)
+    try:
+        assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw))
+    except BaseException:
+        prepared.release()  # a guarded restore's tensors get their old bytes back
+        raise
     return prepared
 
 
