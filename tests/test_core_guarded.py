@@ -27,7 +27,7 @@ from helpers_core import (
 
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers import reader, undo
+from tierckpt.tiers import reader
 from tierckpt.tiers.undo import UndoLog
 
 pytestmark = pytest.mark.timeout(120)
@@ -250,4 +250,3 @@ def test_place_saves_live_parts_at_their_file_position_only() -> None:
         UndoLog.place(live, 95, buffer)
     with pytest.raises(ValueError, match="writable"):
         UndoLog.place(memoryview(bytes(10)), 0, buffer)
-    assert undo.UndoLog is UndoLog

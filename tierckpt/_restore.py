@@ -2,8 +2,9 @@
 
 A step is tried in each tier that lists it as committed; a copy that fails verification is logged (naming the files)
 and the next copy, then the next older step, is tried. State mismatches (keys, shapes, dtypes) are not corruption:
-they are raised before the state changes (a default restore, whose reads into its staging buffer start while the
-state is checked, stops them first), and the state is left untouched.
+they are raised before the state changes (a staged restore, whose reads into its staging buffer start while the
+state is checked, stops them first; an in-place or guarded one checks the state before it reads), and the state is
+left untouched.
 
 By default a restore that fails leaves the state as it was. Where the files are local and uncompressed, the
 default restore is *guarded*: the bytes of CPU tensors of at least :data:`DIRECT_READ_MIN_BYTES` are read straight

@@ -6,7 +6,7 @@ Invariants:
 - every byte that :func:`load_rank` hands back has been hashed and matched against the manifest; any mismatch raises
   :class:`CorruptCheckpointError` naming the step, tier, file and tensor, before the caller touches its state;
 - all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder;
-- ``direct`` reads (restore with ``in_place=True``) put a file's bytes straight into the caller's tensors on stores
+- ``direct`` reads (an in-place or guarded restore) put a file's bytes straight into the caller's tensors on stores
   with a local path; those bytes are hashed where they land and a mismatch still raises, but only after they were
   written there. Other stores read into the buffer, verify, then copy;
 - with an ``undo`` log (a guarded default restore), every range of a caller's tensor is saved into the buffer, at
