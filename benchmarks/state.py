@@ -91,6 +91,24 @@ def gpt_state(
         model[name] = w.to(torch.bfloat16)
         exp_avg[name] = torch.randn(shape, generator=gen) * 1e-3
         exp_avg_sq[name] = torch.rand(shape, generator=gen) * 1e-6
+    return _tree(model, master, exp_avg, exp_avg_sq)
+
+
+def zero_state(total_bytes: int, *, n_layer: int = 12) -> dict[str, Any]:
+    """A state of :func:`gpt_state`'s keys, shapes and dtypes, zero-filled (its pages touched): what a restarted
+    job holds before it restores, its freshly built model and optimizer, made in a fraction of the time."""
+    model: dict[str, torch.Tensor] = {}
+    master: dict[str, torch.Tensor] = {}
+    exp_avg: dict[str, torch.Tensor] = {}
+    exp_avg_sq: dict[str, torch.Tensor] = {}
+    for name, shape in plan_shapes(total_bytes, n_layer):
+        model[name] = torch.zeros(shape, dtype=torch.bfloat16)
+        master[name], exp_avg[name], exp_avg_sq[name] = (torch.zeros(shape) for _ in range(3))
+    return _tree(model, master, exp_avg, exp_avg_sq)
+
+
+def _tree(model: dict[str, torch.Tensor], master: dict[str, torch.Tensor], exp_avg: dict[str, torch.Tensor],
+          exp_avg_sq: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {
         "model": model,
         "optimizer": {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
