@@ -18,9 +18,9 @@ Python process (what a restarted job is):
 
 Next to each process, before or after it in turn, the parent times the raw cold read of the newest step's files
 (page cache dropped, quiet disk; ``O_DIRECT`` into page-aligned buffers on huge pages, faulted in beforehand,
-the files split over two threads as over tierckpt's two readers): the restore's limit. Reported: medians of every measure, the restore's pairwise
-median ratio to that read, and ``resume`` = restore + first stall (training blocked from the restore's start to its
-first checkpoint taken).
+the files split over two threads as over tierckpt's two readers): the restore's limit. Reported: medians of every
+measure, the restore's pairwise median ratio to that read, and ``resume`` = restore + first stall (training blocked
+from the restore's start to its first checkpoint taken).
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     finally:
         remove(folder)
-    heads = ["restore", "restore s", "/ adjacent read (pairwise median)", "first save: stall s", "first save: durable s",
-             "resume s (restore + stall)", "adjacent read s"]
+    heads = ["restore", "restore s", "/ adjacent read (pairwise median)", "first save: stall s",
+             "first save: durable s", "resume s (restore + stall)", "adjacent read s"]
     rows = []
     summary: dict[str, Any] = {}
     for way in WAYS:

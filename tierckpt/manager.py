@@ -304,9 +304,10 @@ class CheckpointManager:
         """Allocate the staging buffer that saving ``state`` needs and fault in its pages, on a background thread,
         so that the first ``save()`` blocks training no longer than later ones (otherwise that allocation is part
         of its stall: 2 GiB cost 0.1-1 s more on the reference VM, 3-6 s in a fresh process there, as after an
-        in-place restore at a restart; pinning a large GPU state's buffer takes longer). Optional; call it once the state has its final layout: after the optimizer's first step (AdamW
-        creates its moments there) or after ``restore()``. Returns a future of the seconds it took; a ``save()``
-        that comes first waits for it, and one whose state has grown since grows the buffer itself."""
+        in-place restore at a restart; pinning a large GPU state's buffer takes longer). Optional; call it once the
+        state has its final layout: after the optimizer's first step (AdamW creates its moments there) or after
+        ``restore()``. Returns a future of the seconds it took; a ``save()`` that comes first waits for it, and one
+        whose state has grown since grows the buffer itself."""
         self._check_open()
         self.snapshot_barrier()  # a lazy snapshot being planned on the snapshot thread sees the plan it made
         flat = self._flatten(state)
