@@ -14,7 +14,11 @@ __all__ = [
     "StateMismatchError",
     "CheckpointLockedError",
     "StorageError",
+    "StorageAccessError",
+    "StorageTimeoutError",
+    "StorageUnavailableError",
     "UploadError",
+    "RollbackError",
 ]
 
 
@@ -75,8 +79,41 @@ class CheckpointLockedError(CheckpointError, BlockingIOError):
 
 
 class StorageError(CheckpointError, OSError):
-    """A storage operation failed (after retries, where they apply)."""
+    """A storage operation failed (after retries, where they apply).
+
+    ``transient`` says whether trying again later may succeed (an unreachable or throttling endpoint, a timeout) or
+    not (access denied, a missing bucket, an invalid request); None where it is not known. Every failure of a
+    storage backend that tierckpt passes on (botocore, aiohttp, gcsfs, OS errors) is one of these, with the
+    backend's exception chained as ``__cause__``; a missing file stays a :class:`FileNotFoundError`."""
+
+    def __init__(self, message: str, *, transient: bool | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.transient = transient
+
+    def __reduce__(self):
+        return (_rebuild_storage, (type(self), self.detail, self.step, self.tier, self.path, self.transient))
+
+
+def _rebuild_storage(cls, message, step, tier, path, transient):  # pragma: no cover - used by pickle only
+    return cls(message, step=step, tier=tier, path=path, transient=transient)
+
+
+class StorageAccessError(StorageError, PermissionError):
+    """The storage refused the operation (HTTP 403, missing credentials, a missing bucket): no retry helps."""
+
+
+class StorageUnavailableError(StorageError, ConnectionError):
+    """The storage could not be reached (connection refused or reset, DNS, a failing endpoint): may pass."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage operation did not finish within its deadline (a silent or very slow endpoint)."""
 
 
 class UploadError(StorageError):
     """A step could not be replicated to the remote tier."""
+
+
+class RollbackError(CheckpointError, ValueError):
+    """``save()`` was asked for a step below a newer committed step (a rollback, or an old run's checkpoints in the
+    folder): a restart would restore the newer step, not this run's. The message says how to proceed."""

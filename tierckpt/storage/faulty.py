@@ -167,6 +167,7 @@ class FaultyStore(Store):
         error_factory: ErrorFactory = default_error,
         keep_local_path: bool = False,
         read_concurrency: int = 1,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.inner = inner
         self.read_concurrency = read_concurrency
@@ -178,6 +179,7 @@ class FaultyStore(Store):
             stall=stall,
             short_writes=short_writes,
             error_factory=error_factory,
+            sleep=sleep,
         )
         self.url = inner.url
         self.tier = inner.tier

@@ -9,18 +9,27 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 
-from ..errors import CheckpointLockedError
+from ..errors import CheckpointLockedError, StorageAccessError, StorageError
 from ..format import layout
 
 
 def acquire(root: str, rank: int) -> int:
     """Take rank ``rank``'s lock of the folder ``root``; returns its file descriptor (for :func:`release`).
-    :class:`CheckpointLockedError` (also a ``BlockingIOError``) if another process holds it."""
+    :class:`CheckpointLockedError` (also a ``BlockingIOError``) if another process holds it;
+    :class:`StorageAccessError` (also a ``PermissionError``) if the folder is read-only or not ours to write,
+    :class:`StorageError` for any other failure to create the lock file."""
     path = os.path.join(root, layout.lock_name(rank))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except (PermissionError, OSError) as exc:
+        denied = isinstance(exc, PermissionError) or exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+        cls = StorageAccessError if denied else StorageError
+        raise cls(f"cannot create the folder's lock file ({exc.strerror or exc}); the local tier needs a folder this "
+                  "process can write", tier="local", path=path, transient=False) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -40,4 +49,36 @@ def release(fd: int) -> None:
         os.close(fd)
 
 
-__all__ = ["acquire", "release"]
+def held_by_other(root: str, rank: int) -> bool:
+    """Whether another process holds rank ``rank``'s lock of ``root`` right now (a live manager or pull): tried
+    with a shared, non-blocking lock that is released at once; False if the lock file does not exist."""
+    path = os.path.join(root, layout.lock_name(rank))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
+
+
+def live_holders(root: str) -> list[int]:
+    """The ranks whose lock of ``root`` another process holds now (see :func:`held_by_other`)."""
+    ranks = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith(layout.LOCK_PREFIX) and name[len(layout.LOCK_PREFIX):].isdigit():
+            rank = int(name[len(layout.LOCK_PREFIX):])
+            if held_by_other(root, rank):
+                ranks.append(rank)
+    return sorted(ranks)
+
+
+__all__ = ["acquire", "held_by_other", "live_holders", "release"]

@@ -21,6 +21,10 @@ Invariants and choices:
   invalidation after every write), so a commit made by another process is seen at once.
 - Messages and logs show :attr:`FsspecStore.url` only: the URL without any ``user:password@`` part, and never the
   ``storage_options`` (they may hold keys).
+- Every backend failure leaves a method as a :class:`~tierckpt.errors.StorageError` (or ``FileNotFoundError`` for a
+  missing file) naming the operation and URL, with ``transient`` set (:mod:`.failures`).
+- A bucket is never created: on object stores ``makedirs`` writes nothing (folders are implicit), so a mistyped
+  bucket fails with an access error instead of creating a new one. ``create_bucket=True`` creates a missing one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, StorageError
 from .base import Store, WriteStream, join
+from .failures import translated
 from .s3upload import (
     DEFAULT_WRITE_CONCURRENCY,
     PartUploads,
@@ -57,8 +62,16 @@ DEFAULT_READ_CONCURRENCY = 8
 POOL_PER_READ = 4
 #: S3's smallest part (every part of a multipart upload but the last); smaller parts go through the backend's file.
 S3_MIN_PART = 5 << 20
-#: Seconds one request may take (connect + read) where the backend lets us set it (s3fs).
-DEFAULT_REQUEST_TIMEOUT_S = 60.0
+#: Seconds one request may wait for an answer where the backend lets us set it (s3fs: botocore's read timeout);
+#: connecting gets at most :data:`CONNECT_TIMEOUT_S`. With :data:`BACKEND_ATTEMPTS` tries by botocore and by s3fs
+#: each, a request to a silent endpoint ends within minutes, not the hours of the backends' defaults; callers that
+#: must not wait that long bound their calls further (:func:`tierckpt.storage.failures.bounded`).
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
+#: Tries per request by botocore (its "standard" mode: throttling and connection errors, with backoff) and by s3fs.
+BACKEND_ATTEMPTS = 3
+#: Schemes whose folders are implicit: ``makedirs`` writes nothing there (and so never creates a bucket).
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci"})
 
 #: URL scheme -> the package that implements it, for an actionable message when it is missing.
 _BACKEND_PACKAGES = {
@@ -195,6 +208,7 @@ class FsspecStore(Store):
         request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
         read_concurrency: int = DEFAULT_READ_CONCURRENCY,
         write_concurrency: int = DEFAULT_WRITE_CONCURRENCY,
+        create_bucket: bool = False,
     ) -> None:
         """Open ``url`` (e.g. ``s3://bucket/prefix``). ``storage_options`` go to the backend (credentials, endpoint);
         ``fs`` supplies a ready filesystem instead (tests wrap one in a fault injector), ``url`` then only names the
@@ -202,7 +216,9 @@ class FsspecStore(Store):
         ``read_concurrency``: ranged reads of one file in flight at once (see the module docstring); on S3 the
         connection pool is raised to match (:data:`POOL_PER_READ` x it) unless ``config_kwargs`` set it.
         ``write_concurrency``: parts of this store's uploads in flight at once on S3 (their bytes in memory: times
-        ``part_size``); 1 sends each file's parts one after another."""
+        ``part_size``); 1 sends each file's parts one after another. ``create_bucket``: create the bucket of an
+        object-store URL if it is missing (a request to the store, here); by default a missing bucket is an error
+        at the first write, so that a mistyped name never creates one."""
         self.tier = tier
         self.url = redact_url(url).rstrip("/")
         self.part_size = int(part_size)
@@ -228,6 +244,12 @@ class FsspecStore(Store):
         self._s3_requests = supports_parallel_parts(fs, scheme)  # single S3 requests: multipart calls, listings
         self._part_uploads = (PartUploads(write_concurrency, tier) if self._s3_requests and write_concurrency > 1
                               and self.part_size >= S3_MIN_PART else None)
+        self._implicit_folders = scheme in _OBJECT_STORES
+        if create_bucket and self._implicit_folders:
+            with translated("create bucket", tier=tier, url=self.url):
+                bucket = self.root.split("/", 1)[0]
+                if not fs.exists(bucket):
+                    fs.mkdir(bucket)
 
     def _connect(
         self, url: str, scheme: str, options: dict[str, Any], request_timeout_s: float | None
@@ -241,14 +263,18 @@ class FsspecStore(Store):
         if scheme in ("s3", "s3a"):
             cfg = dict(options.get("config_kwargs") or {})
             if request_timeout_s:
-                cfg.setdefault("connect_timeout", min(10.0, request_timeout_s))
+                cfg.setdefault("connect_timeout", min(CONNECT_TIMEOUT_S, request_timeout_s))
                 cfg.setdefault("read_timeout", request_timeout_s)
+            cfg.setdefault("retries", {"max_attempts": BACKEND_ATTEMPTS, "mode": "standard"})
             # botocore's pool holds 10 connections: fewer than a few files' reads, or the parts, in flight
             cfg.setdefault("max_pool_connections",
                            max(10, POOL_PER_READ * self.read_concurrency, 2 * self.write_concurrency))
             options["config_kwargs"] = cfg
         try:
-            return fsspec.core.url_to_fs(url, **options)
+            fs, root = fsspec.core.url_to_fs(url, **options)
+            if scheme in ("s3", "s3a") and "retries" not in options and isinstance(getattr(fs, "retries", None), int):
+                fs.retries = min(fs.retries, BACKEND_ATTEMPTS)  # s3fs's own loop around botocore's
+            return fs, root
         except ImportError as exc:
             pkg = _BACKEND_PACKAGES.get(scheme, f"the fsspec backend for {scheme}://")
             raise StorageError(f"{scheme}:// needs {pkg}: pip install {pkg}", tier=self.tier, path=self.url) from exc
@@ -285,10 +311,14 @@ class FsspecStore(Store):
             raise
 
     # --- listing and reading -----------------------------------------------------------------------------------
+    def _guard(self, op: str, rel: str) -> Any:
+        return translated(op, tier=self.tier, url=self.display(rel))
+
     def list(self, rel: str = "") -> list[str]:
         p = self._p(rel)
         try:
-            entries = self.fs.ls(p, detail=True)
+            with self._guard("list", rel):
+                entries = self.fs.ls(p, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
         names = set()
@@ -300,16 +330,19 @@ class FsspecStore(Store):
         return sorted(names)
 
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._p(rel)))
+        with self._guard("exists", rel):
+            return bool(self.fs.exists(self._p(rel)))
 
     def size(self, rel: str) -> int:
-        info = self.fs.info(self._p(rel))
+        with self._guard("size of", rel):
+            info = self.fs.info(self._p(rel))
         if info.get("type") == "directory":
             raise IsADirectoryError(errno.EISDIR, "is a folder", self.display(rel))
         return int(info["size"])
 
     def read_bytes(self, rel: str, *, max_size: int) -> bytes:
-        data = self._cat(self._p(rel), 0, max_size + 1)
+        with self._guard("read", rel):
+            data = self._cat(self._p(rel), 0, max_size + 1)
         if len(data) > max_size:
             raise CheckpointError(f"file is more than the {max_size} bytes allowed", tier=self.tier, path=self.display(rel))
         return bytes(data)
@@ -318,7 +351,8 @@ class FsspecStore(Store):
         view = memoryview(buf).cast("B")
         if not len(view):
             return 0
-        data = self._cat(self._p(rel), offset, offset + len(view))
+        with self._guard("read", rel):
+            data = self._cat(self._p(rel), offset, offset + len(view))
         n = min(len(data), len(view))
         view[:n] = data[:n]
         return n
@@ -328,8 +362,11 @@ class FsspecStore(Store):
 
     # --- writing -----------------------------------------------------------------------------------------------
     def makedirs(self, rel: str) -> None:
+        if self._implicit_folders:
+            return  # folders appear with their first object; s3fs's makedirs would create a missing bucket
         try:
-            self.fs.makedirs(self._p(rel), exist_ok=True)
+            with self._guard("create folder", rel):
+                self.fs.makedirs(self._p(rel), exist_ok=True)
         except FileExistsError:
             pass
 
@@ -339,12 +376,14 @@ class FsspecStore(Store):
         if self._part_uploads is not None:
             return S3MultipartStream(self.fs, p, part_size=part_size_for(self.part_size, size_hint),
                                      uploads=self._part_uploads, tier=self.tier, url=self.display(rel))
-        return _FsspecWriteStream(self, rel, p)
+        with self._guard("open for writing", rel):
+            return _FsspecWriteStream(self, rel, p)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         p = self._p(rel)
         try:
-            self.fs.pipe_file(p, bytes(data))
+            with self._guard("write", rel):
+                self.fs.pipe_file(p, bytes(data))
         finally:
             self._invalidate(p)
 
@@ -353,7 +392,8 @@ class FsspecStore(Store):
             raise CheckpointError("refusing to remove the root of a tier", tier=self.tier, path=self.url)
         p = self._p(rel)
         try:
-            self.fs.rm(p, recursive=True)
+            with self._guard("remove", rel):
+                self.fs.rm(p, recursive=True)
         except FileNotFoundError:
             pass
         finally:
@@ -364,10 +404,13 @@ class FsspecStore(Store):
             return []
         lines = []
         prefix = len(self.fs.split_path(self.root)[1])
-        for bucket, key, upload_id in unfinished_uploads(self.fs, self.root):
+        with self._guard("list unfinished uploads", ""):
+            found = unfinished_uploads(self.fs, self.root)
+        for bucket, key, upload_id in found:
             where = f"{self.url}/{key[prefix:].lstrip('/')}"
             if not dry_run:
-                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                with self._guard("abort unfinished upload", key[prefix:].lstrip("/")):
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             lines.append(f"{'would abort' if dry_run else 'aborted'} the unfinished upload of {where}")
         return lines
 

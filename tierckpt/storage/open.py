@@ -25,12 +25,14 @@ def open_store(
     write_concurrency: int | None = None,
     direct_io: bool = False,
     huge_pages: bool = False,
+    create_bucket: bool = False,
 ) -> Store:
     """A plain path or ``file://`` URL opens a :class:`LocalStore` (fsync, atomic rename); any other URL goes through
     fsspec, whose backend package is imported only then. ``part_size``, ``read_concurrency`` and
     ``write_concurrency`` (None: the defaults) apply to fsspec stores only; ``direct_io`` (``O_DIRECT`` where the
     file system accepts it, see :mod:`.local`) and ``huge_pages`` (its read buffers on transparent huge pages) to
-    paths only."""
+    paths only. ``create_bucket``: an object store's missing bucket is created (otherwise never: see
+    :class:`~tierckpt.storage.fsspec_store.FsspecStore`)."""
     s = os.fspath(target)
     if not s:
         raise CheckpointError("empty path or URL", tier=tier)
@@ -48,4 +50,4 @@ def open_store(
         kwargs["read_concurrency"] = read_concurrency
     if write_concurrency is not None:
         kwargs["write_concurrency"] = write_concurrency
-    return FsspecStore(s, storage_options=storage_options, tier=tier, **kwargs)
+    return FsspecStore(s, storage_options=storage_options, tier=tier, create_bucket=create_bucket, **kwargs)

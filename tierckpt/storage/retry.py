@@ -5,7 +5,8 @@ Invariants:
 - Only *transient* errors are retried (:func:`is_transient`): connection resets, timeouts, throttling (``SlowDown``,
   HTTP 429/5xx) and plain I/O errors. Errors that a retry cannot fix are raised at once: a missing file, a refused
   permission, an invalid request, a full disk, and every :class:`~tierckpt.errors.CheckpointError` (they are
-  deliberate decisions, such as a corrupt manifest).
+  deliberate decisions, such as a corrupt manifest) except a translated :class:`~tierckpt.errors.StorageError`,
+  whose ``transient`` says.
 - A retry never sleeps past the deadline: when the next attempt could not start before it, the last error is raised
   instead of waiting for nothing.
 - Time is read through injectable ``clock``/``sleep`` functions, so tests run the whole schedule on a fake clock.
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ def is_transient(exc: BaseException) -> bool:
 
 def _classify(exc: BaseException) -> bool | None:
     """True/False when ``exc`` alone decides; None to look at its cause."""
+    if isinstance(exc, StorageError) and exc.transient is not None:
+        return exc.transient  # a backend failure already translated (storage.failures)
     if isinstance(exc, (CheckpointError, DeadlineExceeded, Cancelled)):
         return False
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
