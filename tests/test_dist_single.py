@@ -472,10 +472,7 @@ def test_twin_state_mismatch_on_rank1_is_raised_on_every_rank(tmp_path: Path) ->
 def test_twin_rank1_never_uploads_remote_commit_times_out_naming_it(tmp_path: Path) -> None:
     mgr, _ = twin_manager(tmp_path / "n0", ok_peer(), upload_deadline_s=0.3)
     mgr.remote = LocalStore(tmp_path / "remote", tier="remote")  # attached after start-up: no resume collective
-    import threading
-
-    mgr._upload_thread = threading.Thread(target=mgr._upload_loop, daemon=True)
-    mgr._upload_thread.start()
+    mgr._start_replication([])
     h = mgr.save(1, state_at(1))
     with pytest.raises(UploadError, match=r"ranks \[1\] did not upload") as ei:
         mgr.wait()

@@ -170,7 +170,8 @@ def _build(tier: str, base: Path, request: pytest.FixtureRequest) -> Built:
     cases = S3_CASES if tier == "s3" else CASES
     n_steps = 1 + len(cases)
     with CheckpointManager(local, remote=remote, storage_options=storage_options,
-                           keep_local=n_steps if remote is None else 1, keep_remote=None) as mgr:
+                           keep_local=n_steps if remote is None else 1, keep_remote=None,
+                           max_upload_backlog=n_steps) as mgr:  # every step reaches the remote, however fast saved
         for step in range(1, n_steps + 1):
             mgr.save(step, _state(step))
         mgr.wait()

@@ -237,7 +237,7 @@ def test_sigkill_mid_upload_resumes_on_restart(tmp_path, s3_server, s3_bucket, c
     assert list_steps(store).get(2) != "committed"  # killed mid-upload: not visible as a checkpoint
     assert list_steps(LocalStore(local, create=False)) == {1: "committed", 2: "committed"}
 
-    caplog.set_level(logging.INFO, logger="tierckpt.manager")
+    caplog.set_level(logging.INFO, logger="tierckpt")
     with CheckpointManager(local, remote=url, storage_options=s3_server.storage_options(), keep_local=5) as mgr:
         mgr.wait()
         assert {i.step: i.state for i in mgr.steps()} == {1: "local+remote", 2: "local+remote"}

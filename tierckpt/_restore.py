@@ -42,9 +42,9 @@ from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
+from .tiers.listing import TierListings
 from .tiers.reader import PendingLoad, Prefetch, buffer_layout, read_ranks, read_step, start_load
 from .tiers.undo import UndoLog
-from .tiers.verify import list_root
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -71,15 +71,12 @@ GUARD_MIN_SHARE = 0.5
 
 
 def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
-            strict: bool, in_place: bool = False) -> int | None:
-    listings: dict[str, set[int]] = {}
-    for store in tiers:
-        try:
-            listings[store.tier] = set(list_root(store).steps)
-        except OSError as exc:
-            log.warning("tier %s: cannot list %s: %s", store.tier, store.url, exc)
-            listings[store.tier] = set()
-    known = set().union(*listings.values()) if listings else set()
+            strict: bool, in_place: bool = False, listing: TierListings) -> int | None:
+    """Load the newest intact step of ``listing`` (or exactly ``step``) from ``tiers``; see the module docstring.
+    ``listing`` is the tiers' committed steps; a tier that could not be listed was checked by the caller
+    (:meth:`TierListings.require`)."""
+    listings = {store.tier: listing.steps.get(store.tier, set()) for store in tiers}
+    known = listing.known()
     if step is not None:
         candidates = [step]
     else:

@@ -10,13 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    StorageError,
+)
 from .format import layout
 from .format.manifest import RankRef, StepManifest
 from .storage.base import Store
 from .storage.commit import read_step_manifest
 from .tiers import sharded
-from .tiers.verify import list_root
+from .tiers.listing import TierListings
 from .tiers.writer import RankSnapshot
 
 if TYPE_CHECKING:
@@ -113,29 +119,36 @@ def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any]) -> None:
         sharded.wait_remote_commit(mgr.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
 
 
-def candidates(mgr: CheckpointManager, tiers: list[Store]) -> dict[int, list[Store]]:
+def candidates(mgr: CheckpointManager, tiers: list[Store], listing: TierListings) -> dict[int, list[Store]]:
     """Steps committed in some tier that holds this rank's shard, with the tiers to try, local first."""
     rank = mgr._coord.topology.rank if mgr._coord is not None else mgr.rank
     out: dict[int, list[Store]] = {}
     for store in tiers:
-        try:
-            steps = list_root(store).steps
-        except OSError as exc:
-            log.warning("tier %s: cannot list %s: %s", store.tier, store.url, exc)
-            continue
-        for s in steps:
+        for s in sorted(listing.steps.get(store.tier, ())):
             if sharded.holds_rank(store, s, rank):
                 out.setdefault(s, []).append(store)
     return out
 
 
 def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
-            strict: bool, load: Callable[..., Any]) -> int | None:
-    """Every rank loads the same step: the newest that every rank can load intact from some tier."""
+            strict: bool, load: Callable[..., Any], listing: TierListings) -> int | None:
+    """Every rank loads the same step: the newest that every rank can load intact from some tier. A rank whose
+    listing depends on a tier it could not read (:meth:`TierListings.require`) makes every rank raise."""
     coord = mgr._coord
     assert coord is not None
-    mine = candidates(mgr, tiers)
-    everyone = coord.gather(sorted(mine), coord.main_group)
+    try:
+        listing.require(step, ", ".join(t.url for t in tiers))
+        blocked = None
+    except StorageError as exc:
+        blocked = exc
+    mine = candidates(mgr, tiers, listing)
+    everyone = coord.gather(None if blocked is not None else sorted(mine), coord.main_group)  # None: blocked
+    if any(c is None for c in everyone):
+        if blocked is not None:
+            raise blocked
+        ranks = [r for r, c in enumerate(everyone) if c is None]
+        raise StorageError(f"rank(s) {ranks} could not list a tier that may hold the checkpoint; not restoring",
+                           step=step, path=", ".join(t.url for t in tiers), transient=True)
     common = set(everyone[0]).intersection(*map(set, everyone[1:]))
     if step is not None:
         if step not in common:

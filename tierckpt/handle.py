@@ -21,6 +21,9 @@ class SaveRecord:
     upload_s: float | None = None  # from save() to committed in the remote tier
     started: float = field(default_factory=time.time)
     error: str | None = None
+    #: why the step was never uploaded (superseded by a newer step, deleted locally first, set aside): its
+    #: ``uploaded`` future then resolves to None
+    upload_skipped: str | None = None
 
     @property
     def persist_gbps(self) -> float | None:
@@ -37,7 +40,9 @@ class SaveHandle:
 
     - ``staged``: the snapshot is in host buffers (already done when ``save()`` returns);
     - ``persisted``: committed and durable in the local tier;
-    - ``uploaded``: committed in the remote tier (``None`` once locally durable when no remote tier is configured).
+    - ``uploaded``: committed in the remote tier (``None`` once locally durable when no remote tier is configured,
+      or when the step will never be uploaded: superseded by a newer step first; ``record().upload_skipped`` says
+      why).
 
     A failed stage's future holds the exception (the same error is re-raised by the manager's next call).
     """

@@ -6,19 +6,25 @@ each file's first bytes while the copy goes on, and as many hashing threads) and
 one *upload* thread replicates committed steps to the remote tier. Steps move through each stage in order.
 
 Invariants:
-- ``save()`` returns only after every tensor's bytes are in manager-owned host memory;
+- ``save()`` returns only after every tensor's bytes are in manager-owned host memory, and always takes its
+  snapshot unless the call itself is refused (bad arguments, a closed manager, a rollback not made explicit, or an
+  earlier save that failed on the *local* tier): a failing remote never costs a local checkpoint;
 - a step is visible in a tier only once committed there (see :mod:`tierckpt.storage.commit`);
-- retention in a tier runs only after a newer step committed there, never deletes that tier's newest step, and
-  never deletes a local step whose remote copy is not committed (when a remote tier is configured);
-- an error in a background thread fails that save's futures, is logged with step/tier/path, and is re-raised once
-  by the caller's next ``save()``, ``wait()`` or ``close()``.
+- retention in a tier runs only after a newer step committed there and never deletes that tier's newest step;
+  local retention keeps at most ``keep_local + max_upload_backlog`` steps, deleting an unreplicated one only as
+  :class:`~tierckpt.replication.policy.ReplicationPolicy` allows;
+- construction does no remote I/O: the :class:`~tierckpt.replication.replicator.Replicator` lists the remote and
+  resumes unfinished uploads on its own thread; every listing a restore waits for is bounded by
+  ``remote_timeout_s``, and a tier that cannot be listed is never taken for an empty one;
+- an error in a background thread fails that save's futures and is logged with step/tier/path; a local one is
+  re-raised once by the caller's next ``save()``, ``wait()`` or ``close()``, an upload's by ``wait()`` or
+  ``close()`` only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -28,23 +34,27 @@ from typing import Any
 
 import torch
 
-from . import _gc, _replication, _restore, _sharded, faults
+from . import _gc, _restore, _sharded, faults
 from ._memory import huge_pages_available
 from .distributed import Coordinator, rank_and_world
-from .errors import CheckpointError
+from .errors import CheckpointError, RollbackError, StorageError
 from .format import layout
 from .format.plan import SnapshotPlan, make_plan
 from .handle import SaveHandle, SaveRecord
 from .options import Options, check_metadata, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
+from .replication import Health, ReplicationPolicy, Replicator
 from .snapshot import capture, copier, staging, tree
 from .status import StepInfo, list_steps
 from .storage import folder_lock
+from .storage.base import Store
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
-from .tiers import writer
+from .tiers import uploader, writer
 from .tiers.bounce import BounceBuffers
+from .tiers.listing import TierListings, list_tiers
+from .tiers.verify import list_root
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +77,14 @@ class CheckpointManager:
             (a restore, a verification): each is a request that waits a round trip before its first byte.
         remote_write_concurrency: parts of the uploads to S3 in flight at once (each ``upload_part_mb`` of memory);
             1 sends each file's parts one after another.
+        remote_timeout_s: how long a restore, :meth:`steps`, :meth:`latest_step` and the start-up resume keep
+            trying to list the remote tier (retrying transient failures) before going on without it, or raising
+            :class:`StorageError` where no other tier answered (tens of seconds, not the minutes of backend
+            retries against a silent endpoint).
+        max_upload_backlog: committed local steps kept beyond ``keep_local`` while the remote is down or slower
+            than the saves (owed to the remote: ``keep_every`` milestones first, then the newest); the local tier
+            never holds more than ``keep_local + max_upload_backlog`` steps.
+        create_bucket: create the remote's bucket if it is missing (default: never; a mistyped bucket name fails).
         cache_remote_restores: copy a step restored from the remote tier into the local tier (single-rank jobs).
         collective_timeout_s: multi-rank jobs: how long a rank waits for the others to agree on a commit.
         pin_memory: pin staging buffers (default: when CUDA is available).
@@ -125,6 +143,9 @@ class CheckpointManager:
         overlap_writes: bool | None = None,
         huge_pages: bool | None = None,
         collective_timeout_s: float = 600.0,
+        remote_timeout_s: float = 30.0,
+        max_upload_backlog: int = 2,
+        create_bucket: bool = False,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
         rank: int | None = None,
@@ -139,7 +160,8 @@ class CheckpointManager:
             cache_remote_restores=cache_remote_restores,
             pin_memory=pin_memory, log_records=log_records, collective_timeout_s=collective_timeout_s,
             lazy_snapshot=lazy_snapshot, direct_io=direct_io, remote_direct_io=remote_direct_io,
-            overlap_writes=overlap_writes, huge_pages=huge_pages,
+            overlap_writes=overlap_writes, huge_pages=huge_pages, remote_timeout_s=remote_timeout_s,
+            max_upload_backlog=max_upload_backlog, create_bucket=create_bucket,
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
@@ -172,10 +194,18 @@ class CheckpointManager:
                                          read_concurrency=self.options.remote_read_concurrency,
                                          write_concurrency=self.options.remote_write_concurrency,
                                          direct_io=self.options.direct_io if self.options.remote_direct_io is None
-                                         else self.options.remote_direct_io, huge_pages=self._huge)
+                                         else self.options.remote_direct_io, huge_pages=self._huge,
+                                         create_bucket=self.options.create_bucket)
+            # what a restart finds committed locally: resumed by the replicator, and the floor below which save()
+            # refuses a step (a rollback must be explicit)
+            local_steps = sorted(list_root(self.local).steps)
+            if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what all still have
+                everyone = self._coord.gather(local_steps, self._coord.main_group)
+                local_steps = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
         except BaseException:
             self._unlock()
             raise
+        self._committed_floor: int | None = local_steps[-1] if local_steps else None
         cuda = torch.cuda.is_available()
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge)
@@ -195,17 +225,40 @@ class CheckpointManager:
         self._errors: list[BaseException] = []
         self._errors_lock = threading.Lock()
         self._pending: set[Future] = set()
+        self._persisting: set[Future] = set()
         self._records: list[SaveRecord] = []
         self._closed = False
-        self._uploads: queue.Queue[tuple[int, SaveHandle | None] | None] = queue.Queue()
-        self._uploaded_remote: set[int] = set()
-        self._upload_failed: set[int] = set()
-        self._uploading_now: int | None = None
-        self._upload_thread: threading.Thread | None = None
+        self._retention = ReplicationPolicy(keep_local=self.options.keep_local, keep_remote=self.options.keep_remote,
+                                            keep_every=self.options.keep_every,
+                                            max_backlog=self.options.max_upload_backlog)
+        self._bucket = None if self.options.upload_bandwidth_mbps is None else uploader.TokenBucket(
+            self.options.upload_bandwidth_mbps * 1e6, burst=self.options.upload_bandwidth_mbps * 1e5)
+        self._replicator: Replicator | None = None
         if self.remote is not None:
-            self._upload_thread = threading.Thread(target=self._upload_loop, name="tierckpt-upload", daemon=True)
-            self._upload_thread.start()
-            _replication.resume_uploads(self)
+            self._start_replication(local_steps)
+
+    def _start_replication(self, resume: list[int]) -> None:
+        """Build and start the replication component for ``self.remote``; ``resume``: committed local steps."""
+        assert self.remote is not None
+        leader = self._coord is None or self._coord.topology.is_node_leader
+        self._replicator = Replicator(
+            self.local, self.remote, policy=self._retention, upload=self._upload, resume=resume,
+            on_done=self._write_record, track=self._track,
+            remote_retention=self._coord is None or self._coord.topology.rank == 0, local_retention=leader,
+            ordered=self._coord is not None, list_deadline_s=self.options.remote_timeout_s)
+        self._replicator.start()
+
+    @property
+    def remote(self) -> Store | None:
+        """The remote tier's store (None: local only)."""
+        return self._remote
+
+    @remote.setter
+    def remote(self, store: Store | None) -> None:
+        self._remote = store
+        replicator = getattr(self, "_replicator", None)
+        if replicator is not None and store is not None:
+            replicator.remote = store
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
@@ -216,12 +269,13 @@ class CheckpointManager:
 
     def _save(self, step: int, state: Mapping[str, Any], metadata: Any) -> SaveHandle:
         self._check_open()
-        self._raise_background_error()
+        self._raise_background_error(local_only=True)
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise CheckpointError(f"step {step} is not after the last step this manager saved ({self._last_step})",
                                   step=step, tier="local", path=self.local.url)
+        self._check_rollback(step)
         if metadata is not None:
             metadata = check_metadata(metadata)
         handle = SaveHandle(step)
@@ -281,8 +335,11 @@ class CheckpointManager:
             files = [writer.StagedFile(f.part, view, f.data_start, order, progress.waiter(f.part))
                      for f, view, order in zip(plan.files, slot.file_views(plan), file_leaves)]
             rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
-            self._track(self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata,
-                                             progress))
+            job = self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata,
+                                       progress)
+            self._track(job)
+            self._persisting.add(job)
+            job.add_done_callback(self._persisting.discard)
         except BaseException:
             values.clear()
             self._pool.release(slot)
@@ -388,22 +445,47 @@ class CheckpointManager:
         handle._record.persist_s = handle.elapsed()
         self._slow.observe(step, handle._record.persist_s, handle._record.bytes, "local")
         handle.persisted.set_result(handle._record.persist_s)
-        if self.remote is None:
+        if self._replicator is None:
             handle.uploaded.set_result(None)
             self._write_record(handle)
+            self._apply_local_retention()
         else:
-            self._enqueue_upload(step, handle)
-        self._apply_local_retention()
+            self._track(self._replicator.submit(step, handle))
+            self._replicator.apply_local_retention()
 
     # ------------------------------------------------------------------------------------------------ remote
-    def _enqueue_upload(self, step: int, handle: SaveHandle | None) -> None:
-        _replication.enqueue_upload(self, step, handle)
-
-    def _upload_loop(self) -> None:
-        _replication.upload_loop(self)
+    def _upload(self, step: int) -> None:
+        """Replicate committed local step ``step`` (the replicator's thread); raises on failure."""
+        assert self.remote is not None
+        opts = dict(threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
+                    compression=self.options.remote_compression, verify=self.options.verify_uploads,
+                    deadline_s=self.options.upload_deadline_s, bucket=self._bucket)
+        if self._coord is None:
+            uploader.replicate_step(self.local, self.remote, step, **opts)
+        else:
+            _sharded.upload(self, step, opts)
 
     def _apply_local_retention(self) -> None:
-        _replication.apply_local_retention(self)
+        """Local retention without a remote tier: the newest ``keep_local`` steps stay (the node's leader decides
+        for a folder its ranks share)."""
+        if self._coord is not None and not self._coord.topology.is_node_leader:
+            return
+        try:
+            for step, _why in self._retention.local_deletions(list_root(self.local).steps, replicated=None):
+                uploader.delete_step(self.local, step)
+        except Exception as exc:
+            log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
+
+    def health(self) -> Health:
+        """Where both tiers stand: newest committed step per tier, upload lag in steps and seconds, the step being
+        uploaded and those waiting, and the remote's failure streak with its last error. Cheap (one listing of the
+        local folder, no remote request): meant for logs, dashboards and a training loop's periodic check."""
+        if self._replicator is not None:
+            return self._replicator.health()
+        steps = sorted(list_root(self.local).steps)
+        return Health(local_step=steps[-1] if steps else None, remote_step=None, remote_configured=False,
+                      remote_listed=False, upload_lag_steps=0, upload_lag_s=0.0, uploading=None, waiting=(),
+                      consecutive_failures=0, failing_since=None, last_error=None, last_error_time=None)
 
     # ------------------------------------------------------------------------------------------------ policy
     def install_signal_handlers(self, signals=DEFAULT_SIGNALS) -> None:
@@ -443,8 +525,12 @@ class CheckpointManager:
         with self._errors_lock:
             self._errors.append(exc)
 
-    def _raise_background_error(self) -> None:
+    def _raise_background_error(self, *, local_only: bool = False) -> None:
+        """Re-raise the first background error not raised yet (the others are logged). ``local_only``: only
+        failures to write the local tier; upload errors stay for ``wait()``/``close()``."""
         with self._errors_lock:
+            if not local_only and self._replicator is not None:
+                self._errors.extend(self._replicator.take_errors())
             if not self._errors:
                 return
             first, rest = self._errors[0], self._errors[1:]
@@ -476,30 +562,108 @@ class CheckpointManager:
         if source == "remote" and self.remote is None:
             raise ValueError("source='remote' but this manager has no remote tier")
         self.snapshot_barrier()
-        for fut in list(self._pending):  # a save still being written locally is restorable once it commits
-            if fut in self._pending:
-                wait_futures([fut])
+        # a save still being written locally is restorable once it commits; uploads are not waited for
+        wait_futures(list(self._persisting))
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
+        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
         with _gc.paused():
             if self._coord is not None:
-                return _sharded.restore(self, state, step, tiers, strict=strict,
+                return _sharded.restore(self, state, step, tiers, strict=strict, listing=listing,
                                         load=lambda *a: _restore.prepare(self, *a, in_place=in_place))
-            return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place)
+            listing.require(step, ", ".join(t.url for t in tiers))
+            return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place, listing=listing)
 
     def latest_step(self) -> int | None:
-        """The newest committed step in any tier (committed = manifest present; restore verifies)."""
-        steps = [s.step for s in self.steps() if s.local or s.remote]
-        return max(steps) if steps else None
+        """The newest committed step in any tier (committed = manifest present; restore verifies), or None when
+        every tier answered and none holds a step. A tier that cannot be listed within ``remote_timeout_s`` is
+        skipped with a warning where another tier holds a step, and raises :class:`StorageError` where none does
+        (None would mean "start from scratch")."""
+        self._check_open()
+        tiers = [s for s in (self.local, self.remote) if s is not None]
+        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
+        listing.require(None, ", ".join(t.url for t in tiers))
+        known = listing.known()
+        return max(known) if known else None
 
     def steps(self) -> list[StepInfo]:
-        """Every step known in either tier, with where it is and its state."""
-        return list_steps(self.local, self.remote, self._upload_failed, self._uploads_in_flight())
+        """Every step known in either tier, with where it is and its state. When the remote tier cannot be listed
+        within ``remote_timeout_s``, the local tier's steps are returned with a warning, or, if it holds none,
+        :class:`StorageError` is raised."""
+        self._check_open()
+        failed = self._replicator.failed() if self._replicator is not None else set()
+        waiting = self._replicator.waiting() if self._replicator is not None else set()
+        try:
+            return list_steps(self.local, self.remote, failed, waiting, remote_deadline_s=self.options.remote_timeout_s)
+        except StorageError as exc:
+            TierListings({"local": set(list_root(self.local).steps)}, {"remote": exc}).require(
+                None, self.remote.url if self.remote is not None else self.local.url)
+            return list_steps(self.local, None, failed, waiting)
 
-    def _uploads_in_flight(self) -> set[int]:
-        with self._uploads.mutex:
-            queued = {item[0] for item in self._uploads.queue if item is not None}
-        now = self._uploading_now
-        return queued if now is None else queued | {now}
+    # ------------------------------------------------------------------------------------------------ rollback
+    def _check_rollback(self, step: int) -> None:
+        newest = self._newest_committed()
+        if newest is not None and step < newest[0]:
+            raise RollbackError(
+                f"step {step} is below step {newest[0]}, committed in tier {newest[1]} by an earlier run: a restart "
+                f"would restore step {newest[0]}, and retention would delete this run's steps first. If you rolled "
+                f"back on purpose, call mgr.rollback_to(<the step you restored>) once before saving (it sets the "
+                f"newer steps aside in every tier, kept but never restored); otherwise number this run's steps "
+                f"after {newest[0]}", step=step, tier=newest[1], path=self.local.url)
+
+    def _newest_committed(self) -> tuple[int, str] | None:
+        """The newest committed step this manager knows of that it did not save itself, and its tier."""
+        best: tuple[int, str] | None = None
+        if self._committed_floor is not None:
+            best = (self._committed_floor, "local")
+        remote = self._replicator.remote_steps() if self._replicator is not None else None
+        if remote:
+            newest = max(remote)
+            if (best is None or newest > best[0]) and (self._last_step is None or newest > self._last_step):
+                best = (newest, "remote")
+        return best
+
+    def rollback_to(self, step: int) -> list[int]:
+        """Make ``step`` the newest checkpoint of this run: every committed step after it, in every tier, is set
+        aside: no longer a checkpoint (never restored, listed or deleted by retention), its data kept for
+        inspection. Call it after restoring ``step`` to abandon a run (a loss spike), before the next ``save()``;
+        every rank of a multi-rank job calls it.
+
+        Local folders (and a remote given as a path) are renamed to ``aside-step-<N>-<id>``; on an object store
+        the step's ``manifest.json`` moves to ``manifest.aside.json`` in its folder (``tierckpt prune
+        --leftovers`` removes such folders once they are older than its ``--min-age``). Returns the steps set
+        aside. Raises :class:`StorageError` if the remote cannot be listed within ``remote_timeout_s`` (nothing
+        is then set aside anywhere)."""
+        self._check_open()
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        wait_futures(list(self._persisting))
+        newer: set[int] = set()
+        remote_newer: list[int] = []
+        if self.remote is not None:
+            listing = list_tiers([self.remote], deadline_s=self.options.remote_timeout_s)
+            if listing.failed:
+                raise next(iter(listing.failed.values()))
+            remote_newer = sorted(s for s in listing.known() if s > step)
+        local_newer = sorted(s for s in list_root(self.local).steps if s > step)
+        newer = set(remote_newer) | set(local_newer)
+        if self._replicator is not None:
+            self._replicator.forget(newer)
+        rank0 = self._coord is None or self._coord.topology.rank == 0
+        leader = self._coord is None or self._coord.topology.is_node_leader
+        if self.remote is not None and rank0:
+            for s in remote_newer:
+                uploader.set_aside(self.remote, s)
+        if leader:
+            for s in local_newer:
+                uploader.set_aside(self.local, s)
+        if self._coord is not None:
+            self._coord.gather(None, self._coord.main_group)  # no rank saves before every tier is rolled back
+        if newer:
+            log.warning("rollback to step %d: set aside step(s) %s (local %s, remote %s)", step, sorted(newer),
+                        local_newer, remote_newer)
+        self._committed_floor = step if self._committed_floor is None else min(self._committed_floor, step)
+        self._last_step = None if self._last_step is None or self._last_step <= step else step
+        return sorted(newer)
 
     def records(self) -> list[SaveRecord]:
         """Records of this manager's saves, oldest first."""
@@ -534,9 +698,8 @@ class CheckpointManager:
             self.wait(timeout)
         finally:
             self._closed = True
-            self._uploads.put(None)
-            if self._upload_thread is not None:
-                self._upload_thread.join(timeout=timeout)
+            if self._replicator is not None:
+                self._replicator.close(timeout)
             self._snapshotter.shutdown(wait=True)
             self._persist.shutdown(wait=True)
             for h in self._hooks.values():

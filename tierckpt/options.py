@@ -32,6 +32,9 @@ class Options:
     remote_direct_io: bool | None = None
     overlap_writes: bool | None = None
     huge_pages: bool | None = None
+    remote_timeout_s: float = 30.0
+    max_upload_backlog: int = 2
+    create_bucket: bool = False
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -54,13 +57,16 @@ class Options:
         if not 5 <= self.upload_part_mb <= 5120:
             raise ValueError(f"upload_part_mb must be between 5 and 5120 (S3's smallest and largest part), got "
                              f"{self.upload_part_mb!r}")
-        for name in ("upload_bandwidth_mbps", "upload_deadline_s", "collective_timeout_s"):
+        if type(self.max_upload_backlog) is not int or self.max_upload_backlog < 0:
+            raise ValueError(f"max_upload_backlog must be an int >= 0, got {self.max_upload_backlog!r}")
+        for name in ("upload_bandwidth_mbps", "upload_deadline_s", "collective_timeout_s", "remote_timeout_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive number or None, got {v!r}")
         if self.remote_compression not in (None, "zstd"):
             raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
-        for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io"):
+        for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io",
+                     "create_bucket"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("pin_memory", "overlap_writes", "remote_direct_io", "huge_pages"):

@@ -9,6 +9,7 @@ from typing import Any
 from .format import layout
 from .storage.base import Store
 from .storage.commit import read_step_manifest
+from .storage.failures import with_deadline
 from .storage.readahead import each
 from .tiers.verify import list_root
 
@@ -30,14 +31,18 @@ class StepInfo:
     ranks_here: tuple[int, ...] | None = None
 
 
-def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uploading: set[int]) -> list[StepInfo]:
+def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uploading: set[int], *,
+               remote_deadline_s: float | None = None) -> list[StepInfo]:
+    """Every step of ``local`` and ``remote`` with its state (see :class:`StepInfo`).
+
+    The remote is listed with retries of transient failures for at most ``remote_deadline_s`` seconds (None: the
+    backend's own timeouts); raises :class:`~tierckpt.errors.StorageError` (``StorageTimeoutError`` at the
+    deadline) when a tier cannot be listed, so that a caller never mistakes an unreadable tier for an empty one."""
     loc = list_root(local).steps
     rem: dict[int, str] = {}
     if remote is not None:
-        try:
-            rem = list_root(remote).steps
-        except OSError as exc:
-            log.warning("tier remote: cannot list %s: %s", remote.url, exc)
+        rem = with_deadline(lambda: list_root(remote).steps, deadline_s=remote_deadline_s, what="list",
+                            tier=remote.tier, url=remote.url)
     steps = sorted(set(loc) | set(rem))
 
     def manifest(step: int) -> tuple[Any, ...]:

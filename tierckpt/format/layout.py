@@ -22,6 +22,10 @@ LOCK_PREFIX = ".lock-rank"
 RECORDS_FILE = "saves.jsonl"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+#: Steps set aside by a rollback (``CheckpointManager.rollback_to``): never restored, listed or retained.
+ASIDE_PREFIX = "aside-"
+#: Where an object store's set-aside step keeps its manifest (its ``manifest.json`` is gone, so it is not committed).
+ASIDE_MANIFEST = "manifest.aside.json"
 
 _STEP_RE = re.compile(r"^step-(\d{10,20})$")
 _SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -61,6 +65,11 @@ def parse_tmp_dir(name: str) -> str | None:
 
 def trash_dir(name: str) -> str:
     return f"{TRASH_PREFIX}{name}-{new_save_id()}"
+
+
+def aside_dir(name: str) -> str:
+    """The folder name a step folder ``name`` is renamed to when a rollback sets it aside."""
+    return f"{ASIDE_PREFIX}{name}-{new_save_id()}"
 
 
 def is_leftover(name: str) -> bool:

@@ -116,7 +116,7 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
     deadline_s = opts.get("deadline_s")
     ctx = _Ctx(step, remote, opts.get("retry") or RetryPolicy(),
                None if deadline_s is None else time.monotonic() + deadline_s, opts.get("cancel"),
-               TokenBucket(bw, burst=min(part_size, bw)) if bw else None, opts.get("progress"))
+               opts.get("bucket") or (TokenBucket(bw, burst=min(part_size, bw)) if bw else None), opts.get("progress"))
     _manifest, rms = read_manifests(local, step, ranks=[rank])
     if not rms:
         raise CheckpointNotFoundError(f"rank {rank} has no shard of this step locally", step=step, tier=local.tier)

@@ -330,11 +330,13 @@ def replicate_step(
     deadline_s: float | None = None,
     progress: Callable[[int], Any] | None = None,
     cancel: threading.Event | None = None,
+    bucket: TokenBucket | None = None,
 ) -> ReplicationResult:
     """Copy committed step ``step`` from ``local`` to ``remote`` and commit it there (see the module docstring).
 
     ``threads`` files go in parallel; ``part_size`` bytes are read, (compressed,) throttled and written at a time;
-    ``bandwidth_bytes_per_s`` caps the bytes written per second over all threads; ``compression`` is None or
+    ``bandwidth_bytes_per_s`` caps the bytes written per second over all threads (``bucket``, a cap shared with
+    other steps, such as a manager's, replaces it: a new cap per step would let every step burst); ``compression`` is None or
     ``"zstd"``; ``verify`` re-reads and hashes every uploaded file; ``retry`` applies per file and per manifest;
     ``deadline_s`` bounds the whole step; ``progress(n)`` is called with the bytes read from the local tier as they
     go (resent bytes count again); setting ``cancel`` stops the step within a chunk's time.
@@ -349,8 +351,8 @@ def replicate_step(
     t0 = time.monotonic()
     retry = retry or RetryPolicy()
     deadline = t0 + deadline_s if deadline_s is not None else None
-    bucket = TokenBucket(bandwidth_bytes_per_s, burst=min(part_size, bandwidth_bytes_per_s)) \
-        if bandwidth_bytes_per_s else None
+    if bucket is None and bandwidth_bytes_per_s:
+        bucket = TokenBucket(bandwidth_bytes_per_s, burst=min(part_size, bandwidth_bytes_per_s))
     ctx = _Ctx(step, remote, retry, deadline, cancel, bucket, progress)
     folder = layout.step_dir(step)
 
@@ -567,6 +569,29 @@ def list_steps(store: Store) -> dict[int, str]:
 
 #: The remote tier's listing; the same function serves every store.
 list_remote_steps = list_steps
+
+
+def set_aside(store: Store, step: int) -> None:
+    """Make committed ``step`` of ``store`` stop being a checkpoint, keeping its data (a rollback).
+
+    Rename-commit stores: the folder becomes ``aside-step-<N>-<id>`` in one atomic rename. Object stores:
+    ``manifest.json`` is copied to ``manifest.aside.json`` and then removed (the folder is then an uncommitted
+    leftover that ``tierckpt prune --leftovers`` removes)."""
+    folder = layout.step_dir(step)
+    if store.atomic_rename:
+        if store.exists(folder):
+            store.replace_dir(folder, layout.aside_dir(folder))
+            store.sync_dir("")
+    else:
+        manifest = join(folder, layout.STEP_MANIFEST)
+        try:
+            raw = store.read_bytes(manifest, max_size=MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            return
+        store.write_bytes(join(folder, layout.ASIDE_MANIFEST), raw)
+        store.remove(manifest)
+    log.warning("step %d, tier %s: set aside at %s (rollback): no longer a checkpoint, data kept", step, store.tier,
+                _url(store, folder))
 
 
 def delete_step(store: Store, step: int) -> None:

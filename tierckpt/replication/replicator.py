@@ -1,0 +1,408 @@
+"""The replication component: one background thread that makes committed local steps durable on the remote tier.
+
+Order of calls: construct; :meth:`Replicator.start` once (the thread lists the remote and resumes what earlier runs
+left unreplicated: no remote I/O on the caller's thread); :meth:`Replicator.submit` for each step committed
+locally, from any thread; :meth:`Replicator.apply_local_retention`, :meth:`Replicator.health`,
+:meth:`Replicator.waiting`, :meth:`Replicator.take_errors` at any time; :meth:`Replicator.close` once.
+
+Invariants:
+
+- a failing remote never costs a local checkpoint: the thread only reads the local tier, and local retention
+  deletes a step only as :meth:`~tierckpt.replication.policy.ReplicationPolicy.local_deletions` allows (never one
+  of the newest ``keep_local``; an unreplicated one only when superseded or past the backlog, logged);
+- the newest wanted step is uploaded first; waiting steps that the remote's retention would not keep, or whose
+  local copy is gone, are dropped (their handles resolve with None and the record says why);
+- a failed upload resolves its handle with the error once (``wait()``/``close()`` re-raise it) and is tried again
+  after a backoff while it is still wanted; a success ends the failure streak;
+- every piece of state is under one lock; the thread is the only one that uploads or deletes remote steps;
+- in ``ordered`` mode (multi-rank jobs, whose ranks must upload the same steps in the same order) steps go oldest
+  first, none is dropped or retried by time, and no unreplicated local step is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, StorageError
+from ..storage.base import Store
+from ..storage.failures import describe, with_deadline
+from ..tiers.uploader import delete_step
+from ..tiers.verify import list_root
+from .policy import OVER_BACKLOG, REPLICATED, SUPERSEDED, ReplicationPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Health:
+    """A view of both tiers for operators and dashboards (:meth:`CheckpointManager.health`).
+
+    ``local_step`` / ``remote_step``: newest step committed in each tier, as this manager knows it (the remote's
+    from its last successful listing or upload; None if none, or not known yet: see ``remote_listed``).
+    ``upload_lag_steps``: committed local steps newer than ``remote_step``; ``upload_lag_s``: seconds since the
+    oldest of them was committed locally (0 when none). ``uploading`` / ``waiting``: the step being uploaded and
+    those queued. ``consecutive_failures`` / ``failing_since`` (``time.time()``) / ``last_error`` /
+    ``last_error_time``: the remote's current failure streak and its last error (kept after the streak ends)."""
+
+    local_step: int | None
+    remote_step: int | None
+    remote_configured: bool
+    remote_listed: bool
+    upload_lag_steps: int
+    upload_lag_s: float
+    uploading: int | None
+    waiting: tuple[int, ...]
+    consecutive_failures: int
+    failing_since: float | None
+    last_error: str | None
+    last_error_time: float | None
+
+    @property
+    def ok(self) -> bool:
+        """True unless the remote tier is failing now."""
+        return self.consecutive_failures == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "waiting": list(self.waiting), "ok": self.ok}
+
+
+@dataclass
+class _Waiter:
+    handle: Any  # SaveHandle | None
+    done: Future
+
+
+class Replicator:
+    """See the module docstring. ``upload(step)`` replicates one committed local step (raises on failure);
+    ``resume`` are the committed local steps found at start-up (uploaded if the remote lacks them and still wants
+    them); ``on_done(handle)`` is called once a handle's upload is resolved (the manager writes its record);
+    ``track(future)`` is handed the future of each upload the component starts by itself (resumed steps, and failed
+    steps caught up once the remote answers again), so that the owner's ``wait()`` includes them.
+    ``remote_retention`` / ``local_retention``: whether this process applies each tier's retention (in a
+    multi-rank job, rank 0 and each node's leader). ``list_deadline_s``: how long a listing of the remote keeps
+    trying before it is given up for now."""
+
+    def __init__(self, local: Store, remote: Store, *, policy: ReplicationPolicy, upload: Callable[[int], Any],
+                 resume: list[int], on_done: Callable[[Any], None], track: Callable[[Future], Any] = lambda f: None,
+                 remote_retention: bool = True,
+                 local_retention: bool = True, ordered: bool = False, list_deadline_s: float | None = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.local = local
+        self.remote = remote
+        self.policy = policy
+        self._upload = upload
+        self._on_done = on_done
+        self._remote_retention = remote_retention
+        self._local_retention = local_retention
+        self._ordered = ordered
+        self._list_deadline_s = list_deadline_s
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._retention_lock = threading.Lock()
+        self._track = track
+        self._waiting: dict[int, list[_Waiter]] = {}
+        self._committed_at: dict[int, float] = {s: clock() for s in resume}
+        self._resume = set(resume)
+        for step in resume:  # queued now, so that wait() covers them before the thread has listed the remote
+            self._waiting[step] = [self._own_waiter()]
+        self._retry_at: dict[int, float] = {}
+        self._replicated: set[int] = set()
+        self._remote_steps: set[int] | None = None
+        self._current: int | None = None
+        self._failures = 0
+        self._failing_since: float | None = None
+        self._last_error: str | None = None
+        self._last_error_time: float | None = None
+        self._errors: list[BaseException] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tierckpt-upload", daemon=True)
+
+    def _own_waiter(self) -> _Waiter:
+        w = _Waiter(None, Future())
+        self._track(w.done)
+        return w
+
+    # ----------------------------------------------------------------------------------------------- interface
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, step: int, handle: Any = None) -> Future:
+        """Queue committed local step ``step``; returns a future that resolves (never with an error) once its
+        first upload attempt is over: uploaded, failed (the error is in ``handle.uploaded`` and
+        :meth:`take_errors`) or dropped."""
+        fut: Future = Future()
+        with self._cond:
+            self._waiting.setdefault(step, []).append(_Waiter(handle, fut))
+            self._committed_at.setdefault(step, self._clock())
+            self._retry_at.pop(step, None)
+            self._cond.notify_all()
+        return fut
+
+    def wake(self) -> None:
+        """Re-evaluate which failed steps are due now (after the injected ``clock`` moved; tests)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def replicated(self, step: int) -> bool:
+        with self._cond:
+            return step in self._replicated
+
+    def waiting(self) -> set[int]:
+        """Steps queued or being uploaded (not those waiting for a retry: :meth:`failed`)."""
+        with self._cond:
+            out = set(self._waiting)
+            return out if self._current is None else out | {self._current}
+
+    def failed(self) -> set[int]:
+        """Steps whose last upload failed and that are waiting for a retry."""
+        with self._cond:
+            return set(self._retry_at)
+
+    def remote_steps(self) -> set[int] | None:
+        """Committed remote steps as last listed or uploaded; None while the remote has not been listed."""
+        with self._cond:
+            return None if self._remote_steps is None else set(self._remote_steps)
+
+    def forget(self, steps: set[int]) -> None:
+        """Stop replicating ``steps`` (set aside by a rollback): waiting handles resolve as dropped."""
+        with self._cond:
+            dropped = [(s, self._waiting.pop(s, [])) for s in steps]
+            for s in steps:
+                self._retry_at.pop(s, None)
+                self._replicated.discard(s)
+                if self._remote_steps is not None:
+                    self._remote_steps.discard(s)
+        for s, waiters in dropped:
+            self._resolve(s, waiters, skipped="set aside by a rollback")
+
+    def take_errors(self) -> list[BaseException]:
+        """Errors of failed uploads not yet taken, oldest first (each is returned once)."""
+        with self._cond:
+            out, self._errors = self._errors, []
+        return out
+
+    def health(self) -> Health:
+        try:
+            local_steps = sorted(list_root(self.local).steps)
+        except OSError:
+            local_steps = sorted(self._committed_at)
+        with self._cond:
+            remote_step = max(self._remote_steps) if self._remote_steps else None
+            lagging = [s for s in local_steps if remote_step is None or s > remote_step]
+            now = self._clock()
+            lag_s = max((now - self._committed_at.get(s, now) for s in lagging), default=0.0)
+            return Health(
+                local_step=local_steps[-1] if local_steps else None, remote_step=remote_step,
+                remote_configured=True, remote_listed=self._remote_steps is not None,
+                upload_lag_steps=len(lagging), upload_lag_s=lag_s, uploading=self._current,
+                waiting=tuple(sorted(set(self._waiting) | set(self._retry_at))),
+                consecutive_failures=self._failures, failing_since=self._failing_since,
+                last_error=self._last_error, last_error_time=self._last_error_time)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread after the upload in progress (waiting steps stay committed locally; the next start
+        resumes them)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ----------------------------------------------------------------------------------------------- retention
+    def apply_local_retention(self) -> None:
+        """Delete the local steps :meth:`ReplicationPolicy.local_deletions` allows (see the module docstring)."""
+        if not self._local_retention:
+            return
+        with self._retention_lock:
+            try:
+                local = list(list_root(self.local).steps)
+                with self._cond:
+                    replicated = set(self._replicated)
+                    remote = set(self._remote_steps or ())
+                policy = replace(self.policy, max_backlog=1 << 30) if self._ordered else self.policy
+                for step, why in policy.local_deletions(local, replicated=replicated, remote=remote):
+                    if why != REPLICATED and (self._ordered or step == self._current):
+                        continue
+                    if why == OVER_BACKLOG:
+                        log.warning("step %d, tier local: deleting it although the remote does not hold it: more "
+                                    "than max_upload_backlog=%d older steps are waiting for the remote (%s)", step,
+                                    self.policy.max_backlog, self.local.url)
+                    elif why == SUPERSEDED:
+                        log.info("step %d, tier local: deleting it unreplicated: superseded by newer steps, the "
+                                 "remote's retention would not keep it (%s)", step, self.local.url)
+                    delete_step(self.local, step)
+            except Exception as exc:
+                log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
+
+    def _apply_remote_retention(self) -> None:
+        if not self._remote_retention:
+            return
+        try:
+            steps = set(list_root(self.remote).steps)
+            keep = self.policy.remote_keeps(steps)
+            for step in sorted(steps - keep):
+                delete_step(self.remote, step)
+            with self._cond:
+                self._remote_steps = set(keep)
+        except Exception as exc:
+            log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
+
+    # ----------------------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        self._list_remote(resume=True)
+        while True:
+            due = self._wait_due()
+            if due is None:
+                return
+            step, dropped = self._decide(due)
+            for s, waiters, why in dropped:
+                self._resolve(s, waiters, skipped=why)
+            if step is not None:
+                self._attempt(step)
+
+    def _list_remote(self, *, resume: bool) -> bool:
+        try:
+            steps = set(with_deadline(lambda: list_root(self.remote).steps, deadline_s=self._list_deadline_s,
+                                      what="list", tier=self.remote.tier, url=self.remote.url))
+        except Exception as exc:
+            self._failed_streak(exc)
+            log.warning("tier remote: cannot list %s (%s); uploads go on and retry", self.remote.url, exc)
+            if resume:
+                self._sort_resumed(set())
+            return False
+        with self._cond:
+            self._remote_steps = steps
+            self._replicated |= steps & set(self._committed_at)
+        if resume:
+            self._sort_resumed(steps)
+        return True
+
+    def _sort_resumed(self, remote: set[int]) -> None:
+        """Of the steps found locally at start-up: those the remote holds, or that its retention would delete at
+        once (a newer step is durable there), count as replicated; the others are uploaded."""
+        done: list[tuple[int, list[_Waiter]]] = []
+        with self._cond:
+            resumed, self._resume = sorted(self._resume), set()
+            for s in resumed:
+                if s in remote or (remote and s not in self.policy.remote_keeps(remote | {s})):
+                    self._replicated.add(s)
+                    done.append((s, self._waiting.pop(s, [])))
+                elif s in self._waiting:
+                    log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", s,
+                             self.remote.url)
+        for s, waiters in done:
+            self._resolve(s, waiters)
+        if done:
+            self.apply_local_retention()
+
+    def _wait_due(self) -> set[int] | None:
+        """Block until some step may be uploaded; those steps (None once the component closes). Failed steps are
+        due together once the backoff of the remote's failure streak has passed."""
+        with self._cond:
+            while not self._closed:
+                now = self._clock()
+                retry = set(self._retry_at) if any(t <= now for t in self._retry_at.values()) else set()
+                if self._waiting or retry:
+                    return set(self._waiting) | retry
+                wake = min(self._retry_at.values(), default=None)
+                self._cond.wait(None if wake is None else max(0.01, wake - now))
+            return None
+
+    def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]]]:
+        """The step to upload now among ``due`` and the steps dropped (with their waiters and why)."""
+        if self._ordered:
+            return min(due), []
+        try:
+            local = set(list_root(self.local).steps)
+        except OSError as exc:
+            log.warning("tier local: cannot list %s: %s", self.local.url, exc)
+            local = due
+        with self._cond:
+            remote = set(self._remote_steps or ())
+        plan = self.policy.plan_uploads(due, remote=remote, local=local)
+        with self._cond:
+            dropped = []
+            for s, why in plan.dropped:
+                self._retry_at.pop(s, None)
+                dropped.append((s, self._waiting.pop(s, []), why))
+            if plan.next is not None:
+                self._retry_at.pop(plan.next, None)
+        return plan.next, dropped
+
+    def _attempt(self, step: int) -> None:
+        with self._cond:
+            waiters = self._waiting.pop(step, [])
+            self._current = step
+        try:
+            self._upload(step)
+        except BaseException as exc:
+            with self._cond:
+                self._current = None
+            self._failed(step, waiters, exc)
+            return
+        with self._cond:
+            self._current = None
+            self._replicated.add(step)
+            if self._remote_steps is not None:
+                self._remote_steps.add(step)
+            self._failures, self._failing_since = 0, None
+            for s in self._retry_at:  # the remote answers again: catch up now, and wait() covers it
+                self._waiting.setdefault(s, []).append(self._own_waiter())
+                log.info("tier remote: retrying the upload of step %d, which failed earlier", s)
+            self._retry_at = {}
+        self._apply_remote_retention()
+        self.apply_local_retention()
+        if self._remote_steps is None:
+            self._list_remote(resume=False)
+        self._resolve(step, waiters)  # after retention: wait() returns with both tiers trimmed
+
+    def _failed_streak(self, exc: BaseException) -> None:
+        with self._cond:
+            self._failures += 1
+            now = time.time()
+            self._failing_since = self._failing_since or now
+            self._last_error, self._last_error_time = describe(exc) if not isinstance(exc, StorageError) \
+                else str(exc), now
+
+    def _failed(self, step: int, waiters: list[_Waiter], exc: BaseException) -> None:
+        self._failed_streak(exc)
+        gone = isinstance(exc, CheckpointNotFoundError) and exc.tier == self.local.tier
+        with self._cond:
+            if waiters:
+                self._errors.append(exc)
+            if not gone and not self._ordered and not self._closed:
+                delay = self.policy.retry_delay(self._failures)
+                self._retry_at[step] = self._clock() + delay
+                log.error("step %d, tier remote: upload to %s failed (the local copy is kept; retry in %.0f s "
+                          "unless a newer step supersedes it): %s", step, self.remote.url, delay, exc)
+            else:
+                log.error("step %d, tier remote: upload to %s failed (the local copy is kept): %s", step,
+                          self.remote.url, exc)
+        for w in waiters:
+            if w.handle is not None:
+                w.handle._record.error = str(exc)
+                if not w.handle.uploaded.done():
+                    w.handle.uploaded.set_exception(exc)
+                self._on_done(w.handle)
+            w.done.set_result(None)
+
+    def _resolve(self, step: int, waiters: list[_Waiter], *, skipped: str | None = None) -> None:
+        if skipped is not None:
+            log.info("step %d, tier remote: not uploading it: %s", step, skipped)
+        for w in waiters:
+            h = w.handle
+            if h is not None and not h.uploaded.done():
+                if skipped is None:
+                    h._record.upload_s = h.elapsed()
+                    h.uploaded.set_result(h._record.upload_s)
+                else:
+                    h._record.upload_skipped = skipped
+                    h.uploaded.set_result(None)
+                self._on_done(h)
+            w.done.set_result(None)
