@@ -13,11 +13,16 @@ from .errors import (
     CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    RollbackError,
     StateMismatchError,
+    StorageAccessError,
     StorageError,
+    StorageTimeoutError,
+    StorageUnavailableError,
     UploadError,
 )
 from .handle import SaveHandle, SaveRecord
+from .replication import Health, ReplicationPolicy
 from .retention import KeepPolicy
 from .status import StepInfo
 
@@ -41,8 +46,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "StateMismatchError",
+    "RollbackError",
     "StorageError",
+    "StorageAccessError",
+    "StorageUnavailableError",
+    "StorageTimeoutError",
     "UploadError",
+    "Health",
+    "ReplicationPolicy",
     "SaveHandle",
     "SaveRecord",
     "StepInfo",

@@ -51,6 +51,7 @@ from .storage.base import Store
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
+from .storage.retry import RetryPolicy
 from .tiers import uploader, writer
 from .tiers.bounce import BounceBuffers
 from .tiers.listing import TierListings, list_tiers
@@ -450,8 +451,8 @@ class CheckpointManager:
             self._write_record(handle)
             self._apply_local_retention()
         else:
+            self._replicator.apply_local_retention()  # first: the local tier is trimmed when the upload resolves
             self._track(self._replicator.submit(step, handle))
-            self._replicator.apply_local_retention()
 
     # ------------------------------------------------------------------------------------------------ remote
     def _upload(self, step: int) -> None:
@@ -459,7 +460,8 @@ class CheckpointManager:
         assert self.remote is not None
         opts = dict(threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
                     compression=self.options.remote_compression, verify=self.options.verify_uploads,
-                    deadline_s=self.options.upload_deadline_s, bucket=self._bucket)
+                    deadline_s=self.options.upload_deadline_s, bucket=self._bucket,
+                    retry=RetryPolicy(window_s=self.options.remote_timeout_s))
         if self._coord is None:
             uploader.replicate_step(self.local, self.remote, step, **opts)
         else:

@@ -63,12 +63,13 @@ POOL_PER_READ = 4
 #: S3's smallest part (every part of a multipart upload but the last); smaller parts go through the backend's file.
 S3_MIN_PART = 5 << 20
 #: Seconds one request may wait for an answer where the backend lets us set it (s3fs: botocore's read timeout);
-#: connecting gets at most :data:`CONNECT_TIMEOUT_S`. With :data:`BACKEND_ATTEMPTS` tries by botocore and by s3fs
-#: each, a request to a silent endpoint ends within minutes, not the hours of the backends' defaults; callers that
-#: must not wait that long bound their calls further (:func:`tierckpt.storage.failures.bounded`).
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
+#: connecting gets at most :data:`CONNECT_TIMEOUT_S`. With :data:`BACKEND_ATTEMPTS` tries by botocore and none more
+#: by s3fs, a request to a silent endpoint ends within a minute, not the quarter hour of the backends' defaults;
+#: callers that must not wait that long bound their calls further (:func:`tierckpt.storage.failures.bounded`).
+DEFAULT_REQUEST_TIMEOUT_S = 20.0
 CONNECT_TIMEOUT_S = 5.0
-#: Tries per request by botocore (its "standard" mode: throttling and connection errors, with backoff) and by s3fs.
+#: Tries per request by botocore (its "standard" mode retries throttling, connection errors and timeouts, with
+#: backoff); s3fs's own loop around it, which retries the same errors, is cut to one try.
 BACKEND_ATTEMPTS = 3
 #: Schemes whose folders are implicit: ``makedirs`` writes nothing there (and so never creates a bucket).
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci"})
@@ -273,7 +274,7 @@ class FsspecStore(Store):
         try:
             fs, root = fsspec.core.url_to_fs(url, **options)
             if scheme in ("s3", "s3a") and "retries" not in options and isinstance(getattr(fs, "retries", None), int):
-                fs.retries = min(fs.retries, BACKEND_ATTEMPTS)  # s3fs's own loop around botocore's
+                fs.retries = 1  # s3fs's own loop around botocore's, which already retries
             return fs, root
         except ImportError as exc:
             pkg = _BACKEND_PACKAGES.get(scheme, f"the fsspec backend for {scheme}://")

@@ -135,13 +135,16 @@ class Cancelled(Exception):
 class RetryPolicy:
     """How to retry one operation: ``attempts`` tries in all, sleeping ``base_delay_s * 2**k`` (capped at
     ``max_delay_s``) between them, each sleep shortened at random by up to ``jitter`` of itself (so retries of many
-    workers spread out), and never beyond ``deadline_s`` after the first try (None: no deadline of its own)."""
+    workers spread out), and never beyond ``deadline_s`` after the first try (None: no deadline of its own) nor
+    ``window_s`` after the first failure (None: no limit; a storage that keeps failing for that long is down, and
+    each further try against a silent endpoint would wait out its request timeouts again)."""
 
     attempts: int = 5
     base_delay_s: float = 0.2
     max_delay_s: float = 10.0
     jitter: float = 0.5
     deadline_s: float | None = None
+    window_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -152,6 +155,8 @@ class RetryPolicy:
             raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {self.deadline_s}")
+        if self.window_s is not None and self.window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {self.window_s}")
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Seconds to sleep before retry number ``retry`` (1 for the first retry)."""
@@ -184,6 +189,7 @@ class RetryPolicy:
             own = start + self.deadline_s
             deadline = own if deadline is None else min(deadline, own)
         retry = 0
+        first_failure: float | None = None
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"{what}: cancelled")
@@ -196,8 +202,13 @@ class RetryPolicy:
                 if retry >= self.attempts:
                     raise
                 pause = self.delay(retry, rng)
-                if deadline is not None and clock() + pause >= deadline:
+                now = clock()
+                first_failure = now if first_failure is None else first_failure
+                if deadline is not None and now + pause >= deadline:
                     raise DeadlineExceeded(f"{what}: deadline reached after {retry} attempt(s): {exc}") from exc
+                if self.window_s is not None and now + pause - first_failure >= self.window_s:
+                    raise DeadlineExceeded(f"{what}: still failing {now - first_failure:.1f} s after the first "
+                                           f"failure, {retry} attempt(s): {exc}") from exc
                 if on_retry is not None:
                     on_retry(retry, exc, pause)
                 log.debug("%s: retry %d/%d in %.2fs after %s", what, retry, self.attempts - 1, pause, exc)
