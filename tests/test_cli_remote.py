@@ -258,9 +258,9 @@ def test_posix_remote_sync_pull_prune_in_process(tmp_path, capsys):
     assert list_steps(LocalStore(tmp_path / "one", create=False)) == {2: "committed"}
     assert cli_main(["pull", str(nfs), str(back), "--step", "2"]) == 0
     assert verify_step(LocalStore(back, create=False), 2).ok
-    # a live manager holds the local root: pull refuses rather than racing it
+    # a live manager holds the local root: pull refuses rather than racing it (3: in use by a live job)
     with CheckpointManager(back):
-        assert cli_main(["pull", str(nfs), str(back), "--step", "3"]) == 2
+        assert cli_main(["pull", str(nfs), str(back), "--step", "3"]) == 3
     assert not (back / layout.step_dir(3)).exists()
     # a local copy from another save of step 2 is never silently replaced; --force replaces it
     other = tmp_path / "other"
@@ -300,15 +300,16 @@ def test_posix_remote_sync_pull_prune_in_process(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["deleted"] == [1] and doc["kept"] == [2, 3]
     assert sorted(os.listdir(nfs)) == [layout.step_dir(2), layout.step_dir(3)]
-    # leftovers of an unfinished upload go only with --leftovers (listed by the dry run, kept otherwise)
+    # leftovers of an unfinished upload go only with --leftovers (listed by the dry run, kept otherwise); this
+    # one is seconds old, so only --min-age 0 takes it (a writer on another host may still be uploading it)
     (nfs / ".tmp-step-0000000009-deadbeef").mkdir()
     (nfs / ".tmp-step-0000000009-deadbeef" / "r00000-p0000-deadbeef.safetensors").write_bytes(b"x" * 10)
     capsys.readouterr()
-    assert cli_main(["prune", str(nfs), "--keep", "5", "--leftovers", "--dry-run"]) == 0
+    assert cli_main(["prune", str(nfs), "--keep", "5", "--leftovers", "--dry-run", "--min-age", "0"]) == 0
     assert "would remove leftover" in capsys.readouterr().out
     assert cli_main(["prune", str(nfs), "--keep", "5"]) == 0
     assert (nfs / ".tmp-step-0000000009-deadbeef").exists()
     capsys.readouterr()
-    assert cli_main(["prune", str(nfs), "--keep", "5", "--leftovers", "--json"]) == 0
+    assert cli_main(["prune", str(nfs), "--keep", "5", "--leftovers", "--min-age", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["leftovers"]
     assert sorted(os.listdir(nfs)) == [layout.step_dir(2), layout.step_dir(3)]

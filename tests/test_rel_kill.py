@@ -174,7 +174,7 @@ def check_after_kill(root: Path, remote: Path | None, seed: int, progress: Path,
         if _leftovers(remote):
             out = io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                rc = cli.main(["prune", str(remote), "--keep", "100", "--leftovers"])
+                rc = cli.main(["prune", str(remote), "--keep", "100", "--leftovers", "--min-age", "0"])
             assert rc == 0, f"{what}: tierckpt prune --leftovers exit {rc}:\n{out.getvalue()}"
             COUNTS["remote leftovers pruned"] += 1
         assert _leftovers(remote) == [], f"{what}: remote leftovers after prune: {_leftovers(remote)}"

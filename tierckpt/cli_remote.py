@@ -1,26 +1,35 @@
 """The CLI commands that move checkpoints between tiers: ``tierckpt sync``, ``pull`` and ``prune``.
 
-``cli.build_parser`` calls :func:`add_commands` to register them. They share ``cli``'s conventions: exit 0 on success,
-1 when an operation failed or a step is corrupt, 2 for a usage error or nothing found; ``--json`` prints one document
-on stdout and nothing else; a progress bar goes to stderr on a terminal only. Messages name stores by their ``url``
-(credentials removed), never by the ``--storage-option`` values.
+``cli.build_parser`` calls :func:`add_commands` to register them. They share ``cli``'s conventions: exit 0 on
+success, 1 when an operation failed or a step is corrupt, 2 for a usage error or nothing found, 3 when the
+storage could not be reached or used (unreachable, silent past ``--timeout``, access denied) or a live job
+holds the root; where some steps failed for a reason of their own and others for want of storage, 1 wins.
+``--json`` prints one document on stdout and nothing else; a progress bar goes to stderr on a terminal only.
+Messages, failure lines included, name stores by their ``url`` (credentials removed), never by the
+``--storage-option`` values.
 
 - ``sync LOCAL REMOTE`` replicates every committed local step that the remote does not hold committed, through
-  :func:`tierckpt.tiers.uploader.replicate_step` (data, then rank manifests, then ``manifest.json`` last). It is
-  resumable: an interrupted run leaves only uncommitted files, which the next run replaces. A remote step committed
-  from another save (a different ``save_id``) is left alone and reported.
-- ``pull REMOTE LOCAL --step N`` streams one step into a local tier root, hashing every byte against the remote
-  manifests as it arrives; compressed remote files are decompressed, and the rank manifests re-sealed without the
-  compression fields, so the local copy is plain safetensors with the same checksums and ``save_id``. It is written
-  into a temporary folder and renamed into place (the local commit protocol), so a failed pull leaves nothing visible.
-  The local root's lock is taken for the duration, so a pull never races a live manager. A local copy of the step
-  from another save (which may exist nowhere else) is replaced only with ``--force``; a damaged one, or one of the
-  same save, is replaced by the verified copy.
-- ``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy` by hand, deleting each
-  step ``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests verify and
-  whose files have their recorded sizes (so a damaged newest step cannot cost the last good one). With
-  ``--leftovers`` it also runs the commit protocol's recovery on ROOT (unfinished uploads, files no manifest names);
-  that is opt-in because an upload in progress by another writer looks exactly like a leftover.
+  :func:`tierckpt.tiers.uploader.replicate_step` (data, then rank manifests, then ``manifest.json`` last). It
+  is resumable: an interrupted run leaves only uncommitted files, which the next run replaces. A remote step
+  committed from another save (a different ``save_id``) is left alone and reported.
+- ``pull REMOTE LOCAL --step N`` streams one step into a local tier root, hashing every byte against the
+  remote manifests as it arrives; compressed remote files are decompressed, and the rank manifests re-sealed
+  without the compression fields, so the local copy is plain safetensors with the same checksums and
+  ``save_id``. It is written into a temporary folder and renamed into place (the local commit protocol), so a
+  failed pull leaves nothing visible. The local root's lock is taken for the duration, so a pull never races a
+  live manager (exit 3 while one runs). A local copy of the step from another save (which may exist nowhere
+  else) is replaced only with ``--force``; a damaged one, or one of the same save, is replaced by the verified
+  copy.
+- ``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy` by hand, deleting
+  each step ``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests
+  verify and whose files have their recorded sizes (so a damaged newest step cannot cost the last good one). A
+  local tier root whose lock a live process holds (a running ``CheckpointManager`` or ``pull``) is refused,
+  ``--dry-run`` included, with exit 3. With ``--leftovers`` it also runs the commit protocol's recovery on
+  ROOT (unfinished uploads, files no manifest names). On a remote root (a URL, or a folder without lock files)
+  another host's writer may be uploading right now, and its upload looks exactly like a leftover: leftovers
+  younger than ``--min-age`` (default an hour; S3 multipart uploads by their start, folders by their newest
+  file, files of a committed step by their own time) are kept and listed as possibly in progress, as is any
+  whose age cannot be told, unless ``--min-age 0``.
 """
 
 from __future__ import annotations
@@ -36,13 +45,34 @@ from functools import partial
 from typing import Any
 
 from ._memory import huge_pages_available
-from .cli import EXIT_BAD, EXIT_OK, EXIT_USAGE, _open_root, _progress, _say, _storage_options, _Usage
-from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
+from .cli import (
+    EXIT_BAD,
+    EXIT_OK,
+    EXIT_USAGE,
+    _bounded,
+    _clean,
+    _deadline,
+    _exit_for,
+    _list_root,
+    _open,
+    _open_root,
+    _progress,
+    _say,
+    _Unavailable,
+    _Usage,
+)
+from .errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from .format import hashing, layout
 from .format.manifest import FileRecord, RankManifest, RankRef, StepManifest
 from .storage import folder_lock
 from .storage.base import Store, join
-from .storage.open import is_url, open_store
+from .storage.failures import translate, with_deadline
+from .storage.open import is_url
 from .storage.readahead import ReadAhead
 from .storage.s3upload import DEFAULT_WRITE_CONCURRENCY
 
@@ -65,31 +95,31 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         print(json.dumps(doc))
 
 
-# ------------------------------------------------------------------------------------------------------------ sync
+# -------------------------------------------------------------------------------------------------- sync
 def cmd_sync(args: argparse.Namespace) -> int:
-    """Replicate committed local steps that the remote lacks; exit 1 if any step failed."""
+    """Replicate committed local steps that the remote lacks; exit 1 if a step failed (3 if every failure was
+    for want of storage)."""
     from .storage.commit import read_step_manifest
     from .tiers.reader import read_manifests
     from .tiers.uploader import list_steps, replicate_step
-    from .tiers.verify import list_root
 
     if args.threads < 1:
         raise _Usage("--threads must be >= 1")
     if args.write_concurrency < 1:
         raise _Usage("--write-concurrency must be >= 1")
-    opts = _storage_options(args.storage_option)
     # the uploader's read buffer on huge pages where direct reads use it (as the manager's, huge_pages auto)
-    local, only = _open_root(args.local, None if not is_url(args.local) else opts, direct_io=args.direct_io,
+    local, only = _open_root(args, args.local, tier="local", direct_io=args.direct_io,
                              huge_pages=args.direct_io and huge_pages_available())
-    local.tier = "local"
-    local_steps = [s for s in list_root(local).steps if only is None or s == only]
+    local_steps = [s for s in _list_root(args, local).steps if only is None or s == only]
     if not local_steps:
-        _say(args, f"no committed checkpoints under {local.url}" + (f" for step {only}" if only is not None else ""))
+        _say(args, f"no committed checkpoints under {local.url}"
+             + (f" for step {only}" if only is not None else ""))
         return EXIT_USAGE
-    remote = open_store(args.remote, storage_options=opts, tier="remote", create=True,
-                        write_concurrency=args.write_concurrency, direct_io=args.direct_io)
+    remote = _open(args, args.remote, tier="remote", create=True, write_concurrency=args.write_concurrency,
+                   direct_io=args.direct_io)
+    failures: list[BaseException] = []
     try:
-        remote_state = list_steps(remote)
+        remote_state = _bounded(args, remote, "list", lambda: list_steps(remote))
         todo: list[int] = []
         results: list[dict[str, Any]] = []
         for step in local_steps:
@@ -97,15 +127,18 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 todo.append(step)
                 continue
             folder = layout.step_dir(step)
-            mine = read_step_manifest(local, folder, step)
-            theirs = read_step_manifest(remote, folder, step)
+            mine = _bounded(args, local, "read manifest of",
+                            partial(read_step_manifest, local, folder, step))
+            theirs = _bounded(args, remote, "read manifest of",
+                              partial(read_step_manifest, remote, folder, step))
             same = mine is not None and theirs is not None and mine.save_id == theirs.save_id
             entry: dict[str, Any] = {"step": step, "status": "skipped", "url": _url(remote, folder)}
             if not same:
                 entry["note"] = "the remote holds another save of this step; kept it"
             results.append(entry)
             if not args.json:
-                print(f"step {step}: already in {remote.url}" + ("" if same else " (another save of it; kept)"))
+                print(f"step {step}: already in {remote.url}"
+                      + ("" if same else " (another save of it; kept)"))
         total = 0
         for step in todo:
             try:
@@ -113,22 +146,24 @@ def cmd_sync(args: argparse.Namespace) -> int:
             except CheckpointError:
                 pass  # replicate_step reports it
         bar = _bar(args, total, "sync")
-        failed = 0
         try:
             for step in todo:
                 where = _url(remote, layout.step_dir(step))
                 try:
-                    res = replicate_step(local, remote, step, threads=args.threads, compression=args.compression,
-                                         verify=args.verify, progress=(lambda n: bar.update(n)) if bar else None)
-                except CheckpointError as exc:
-                    failed += 1
-                    results.append({"step": step, "status": "failed", "url": where, "error": str(exc)})
+                    res = replicate_step(local, remote, step, threads=args.threads,
+                                         compression=args.compression, verify=args.verify,
+                                         progress=(lambda n: bar.update(n)) if bar else None)
+                except (CheckpointError, OSError) as exc:
+                    failures.append(translate(exc, op="replicate", tier=remote.tier, url=where, step=step))
+                    msg = _clean(args, str(exc))
+                    results.append({"step": step, "status": "failed", "url": where, "error": msg})
                     if bar:
                         bar.clear()
-                    print(f"step {step}: FAILED to replicate to {where}: {exc}", file=sys.stderr)
+                    print(f"step {step}: FAILED to replicate to {where}: {msg}", file=sys.stderr)
                     continue
-                results.append({"step": step, "status": "skipped" if res.skipped else "uploaded", "url": where,
-                                "bytes_read": res.bytes_read, "bytes_written": res.bytes_written,
+                results.append({"step": step, "status": "skipped" if res.skipped else "uploaded",
+                                "url": where, "bytes_read": res.bytes_read,
+                                "bytes_written": res.bytes_written,
                                 "seconds": round(res.seconds, 3), "retries": res.retries})
                 if not args.json:
                     if bar:
@@ -142,21 +177,22 @@ def cmd_sync(args: argparse.Namespace) -> int:
     finally:
         remote.close()
     results.sort(key=lambda r: r["step"])
-    _emit(args, {"local": local.url, "remote": remote.url, "ok": failed == 0, "steps": results})
+    _emit(args, {"local": local.url, "remote": remote.url, "ok": not failures, "steps": results})
     if not args.json:
         done = sum(r["status"] == "uploaded" for r in results)
-        print(f"{done} uploaded, {len(results) - done - failed} already there, {failed} failed")
-    return EXIT_OK if failed == 0 else EXIT_BAD
+        print(f"{done} uploaded, {len(results) - done - len(failures)} already there, {len(failures)} failed")
+    return _exit_for(failures)
 
 
-# ------------------------------------------------------------------------------------------------------------ pull
+# -------------------------------------------------------------------------------------------------- pull
 def _lock_local(root: str) -> int:
-    """Take the rank-0 lock of a local tier root, as a manager would; ``_Usage`` if a live manager holds it."""
+    """Take the rank-0 lock of a local tier root, as a manager would; ``_Unavailable`` (exit 3) if a live
+    manager or pull holds it."""
     try:
         return folder_lock.acquire(root, 0)
     except CheckpointLockedError:
-        raise _Usage(f"{root} is in use (a running CheckpointManager or pull holds its lock); "
-                     "stop it or pull elsewhere") from None
+        raise _Unavailable(f"{root} is in use by a live CheckpointManager or pull (it holds the folder's "
+                           "lock); stop it or pull elsewhere") from None
 
 
 def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, staging: str,
@@ -203,7 +239,8 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
 
 
 def _pull_zstd(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentHasher, w: Any,
-               corrupt: Callable[[str], CorruptCheckpointError], progress: Callable[[int], Any] | None) -> int:
+               corrupt: Callable[[str], CorruptCheckpointError],
+               progress: Callable[[int], Any] | None) -> int:
     """A zstd-compressed remote file, decompressed, hashed and written as it streams in; returns its bytes."""
     import zstandard
 
@@ -228,19 +265,31 @@ def _pull_zstd(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentHas
 
 
 def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
-              progress: Callable[[int], Any] | None = None) -> StepManifest:
-    """Copy committed step ``step`` of ``remote`` into the local tier ``local`` (an ``atomic_rename`` store), every
-    byte verified, committed by renaming its temporary folder. Returns the local step manifest.
+              progress: Callable[[int], Any] | None = None, deadline_s: float | None = None) -> StepManifest:
+    """Copy committed step ``step`` of ``remote`` into the local tier ``local`` (an ``atomic_rename`` store),
+    every byte verified, committed by renaming its temporary folder. Returns the local step manifest.
+    ``deadline_s``: the remote manifests' reads and size checks are retried on transient failures for at most
+    that long (None: as the store does).
 
     Raises :class:`CheckpointNotFoundError` when ``remote`` does not hold the step committed, and
-    :class:`CorruptCheckpointError` (naming the files) when its copy there does not verify; nothing becomes visible
-    in ``local`` then."""
+    :class:`CorruptCheckpointError` (naming the files) when its copy there does not verify; nothing becomes
+    visible in ``local`` then. :class:`~tierckpt.errors.StorageError` when a store cannot be read or
+    written."""
     from .storage.commit import protocol_for
     from .tiers.reader import check_sizes, read_manifests
 
-    manifest, rms = read_manifests(remote, step)
+    def manifests() -> tuple[StepManifest, list[RankManifest]]:
+        found = read_manifests(remote, step)
+        for rm in found[1]:
+            check_sizes(remote, rm)
+        return found
+
+    if deadline_s is None:
+        manifest, rms = manifests()
+    else:
+        manifest, rms = with_deadline(manifests, deadline_s=deadline_s, what="read manifests of",
+                                      tier=remote.tier, url=_url(remote, layout.step_dir(step)))
     for rm in rms:
-        check_sizes(remote, rm)
         if rm.save_id != manifest.save_id:
             raise CorruptCheckpointError("rank manifest belongs to another save", step=step, tier=remote.tier,
                                          path=_url(remote, layout.step_dir(step)))
@@ -248,7 +297,8 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
     staging = protocol.begin(local, step, layout.new_save_id())
     try:
         jobs = [(rm, i) for rm in rms for i in range(len(rm.files))]
-        with ThreadPoolExecutor(max(1, min(threads, len(jobs) or 1)), thread_name_prefix="tierckpt-pull") as pool:
+        workers = max(1, min(threads, len(jobs) or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-pull") as pool:
             records = list(pool.map(lambda j: _pull_file(remote, local, j[0], j[1], staging, progress), jobs))
         pos = 0
         refs = []
@@ -259,7 +309,8 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
             raw = new_rm.to_bytes() if new_rm is not rm else remote.read_bytes(
                 join(layout.step_dir(step), ref.name), max_size=ref.size)
             if new_rm is rm and (len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum):
-                raise CorruptCheckpointError("rank manifest changed while being pulled", step=step, tier=remote.tier,
+                raise CorruptCheckpointError("rank manifest changed while being pulled", step=step,
+                                             tier=remote.tier,
                                              path=_url(remote, join(layout.step_dir(step), ref.name)),
                                              bad_files=[ref.name])
             refs.append(RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex()))
@@ -278,194 +329,83 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """Bring one step of REMOTE back into the local tier root LOCAL."""
+    from .storage.commit import read_step_manifest
+    from .tiers.reader import read_manifests
+
     if is_url(args.local):
         raise _Usage(f"LOCAL must be a local folder, got the URL {args.local!r}")
     if args.threads < 1:
         raise _Usage("--threads must be >= 1")
     if args.read_concurrency < 1:
         raise _Usage("--read-concurrency must be >= 1")
-    remote, only = _open_root(args.remote, _storage_options(args.storage_option), args.read_concurrency)
-    remote.tier = "remote"
+    remote, only = _open_root(args, args.remote, tier="remote", read_concurrency=args.read_concurrency)
     step = args.step if args.step is not None else only
     if step is None:
         raise _Usage("pull needs --step N (or a step folder as REMOTE)")
-    local = open_store(args.local, tier="local", create=True)
-    fd = _lock_local(local.local_path or args.local.removeprefix("file://"))
     try:
-        from .storage.commit import read_step_manifest
-        from .tiers.reader import read_manifests
-
-        total = 0
+        local = _open(args, args.local, tier="local", create=True)
+        fd = _lock_local(local.local_path or args.local.removeprefix("file://"))
         try:
-            theirs = read_manifests(remote, step)[0]
-            total = theirs.total_bytes
-        except CheckpointNotFoundError:
-            _say(args, f"step {step} is not committed in {remote.url}")
-            return EXIT_USAGE
-        except CheckpointError:
-            theirs = None  # pull_step reports the damage
-        try:
-            mine = read_step_manifest(local, layout.step_dir(step), step)
-        except CorruptCheckpointError:
-            mine = None  # a damaged local copy is what a pull repairs
-        if mine is not None and theirs is not None and mine.save_id != theirs.save_id and not args.force:
-            _say(args, f"{_url(local, layout.step_dir(step))} holds another save of step {step} "
-                       f"(save {mine.save_id}, the remote has {theirs.save_id}); --force replaces it")
-            return EXIT_USAGE
-        bar = _bar(args, total, f"pull {step}")
-        try:
-            manifest = pull_step(remote, local, step, threads=args.threads,
-                                 progress=(lambda n: bar.update(n)) if bar else None)
-        except CorruptCheckpointError as exc:
-            if bar:
-                bar.close()
-            _say(args, f"step {step} in {remote.url} is corrupt, nothing pulled: {exc}")
-            return EXIT_BAD
-        if bar:
-            bar.close()
+            total = 0
+            try:
+                theirs = _bounded(args, remote, "read manifests of", lambda: read_manifests(remote, step)[0])
+                total = theirs.total_bytes
+            except CheckpointNotFoundError:
+                _say(args, f"step {step} is not committed in {remote.url}")
+                return EXIT_USAGE
+            except CorruptCheckpointError:
+                theirs = None  # pull_step reports the damage
+            try:
+                mine = read_step_manifest(local, layout.step_dir(step), step)
+            except CorruptCheckpointError:
+                mine = None  # a damaged local copy is what a pull repairs
+            if mine is not None and theirs is not None and mine.save_id != theirs.save_id and not args.force:
+                _say(args, f"{_url(local, layout.step_dir(step))} holds another save of step {step} "
+                           f"(save {mine.save_id}, the remote has {theirs.save_id}); --force replaces it")
+                return EXIT_USAGE
+            bar = _bar(args, total, f"pull {step}")
+            try:
+                manifest = pull_step(remote, local, step, threads=args.threads,
+                                     deadline_s=_deadline(args, remote),
+                                     progress=(lambda n: bar.update(n)) if bar else None)
+            except CorruptCheckpointError as exc:
+                _say(args, f"step {step} in {remote.url} is corrupt, nothing pulled: {exc}")
+                return EXIT_BAD
+            finally:
+                if bar:
+                    bar.close()
+        finally:
+            folder_lock.release(fd)
     finally:
-        folder_lock.release(fd)
         remote.close()
     where = _url(local, layout.step_dir(step))
     if args.json:
         print(json.dumps({"ok": True, "step": step, "remote": remote.url, "local": where,
                           "bytes": manifest.total_bytes, "save_id": manifest.save_id}))
     else:
-        print(f"step {step}: pulled from {remote.url} into {where} ({manifest.total_bytes / 2**20:.1f} MiB, verified)")
+        print(f"step {step}: pulled from {remote.url} into {where} "
+              f"({manifest.total_bytes / 2**20:.1f} MiB, verified)")
     return EXIT_OK
 
 
-# ------------------------------------------------------------------------------------------------------------ prune
-def _manifests_ok(store: Store, step: int) -> bool:
-    """Cheap integrity check: the manifests verify and every data file has its recorded size."""
-    from .tiers.reader import check_sizes, read_manifests
-
-    try:
-        _manifest, rms = read_manifests(store, step)
-        for rm in rms:
-            check_sizes(store, rm)
-    except (CheckpointError, OSError):
-        return False
-    return True
-
-
-def _prune_leftovers(args: argparse.Namespace, store: Store, errors: list[str]) -> list[str]:
-    """Run the store's commit-protocol recovery (or, with ``--dry-run``, list what it would touch): unfinished
-    uploads and saves, and files no manifest names. Only safe while nothing writes to the root."""
-    from .storage.commit import protocol_for
-    from .tiers.verify import list_root
-
-    if args.dry_run:
-        found = list_root(store).incomplete
-        uploads = store.discard_unfinished_uploads(dry_run=True)
-        if not args.json:
-            for name in found:
-                print(f"would remove leftover {_url(store, name)}")
-            for line in uploads:
-                print(line)
-        return found + uploads
-    try:
-        actions = protocol_for(store).recover(store)
-    except (CheckpointError, OSError) as exc:
-        errors.append(f"leftovers: {exc}")
-        print(f"FAILED to clean leftovers under {store.url}: {exc}", file=sys.stderr)
-        return []
-    if not args.json:
-        for action in actions:
-            print(f"leftover: {action}")
-    return actions
-
-
-def cmd_prune(args: argparse.Namespace) -> int:
-    """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step."""
-    from .retention import KeepPolicy
-    from .tiers.uploader import delete_step
-    from .tiers.verify import list_root
-
-    try:
-        policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
-    except ValueError as exc:
-        raise _Usage(str(exc)) from None
-    store, only = _open_root(args.root, _storage_options(args.storage_option))
-    if only is not None:
-        raise _Usage("prune takes a tier root, not a step folder")
-    try:
-        steps = sorted(list_root(store).steps)
-        if not steps:
-            _say(args, f"no committed checkpoints under {store.url}")
-            return EXIT_USAGE
-        doomed = policy.to_delete(steps)
-        protected = next((s for s in reversed(steps) if _manifests_ok(store, s)), None)
-        if protected in doomed:
-            doomed.remove(protected)
-            if not args.json:
-                print(f"keeping step {protected}: the newest step whose manifests verify")
-        kept = [s for s in steps if s not in doomed]
-        deleted: list[int] = []
-        errors: list[str] = []
-        for step in doomed:
-            where = _url(store, layout.step_dir(step))
-            if args.dry_run:
-                if not args.json:
-                    print(f"would delete step {step} ({where})")
-                continue
-            try:
-                delete_step(store, step)
-            except (CheckpointError, OSError) as exc:
-                errors.append(f"step {step}: {exc}")
-                print(f"step {step}: FAILED to delete {where}: {exc}", file=sys.stderr)
-                continue
-            deleted.append(step)
-            if not args.json:
-                print(f"deleted step {step} ({where})")
-        leftovers = _prune_leftovers(args, store, errors) if args.leftovers else []
-    finally:
-        store.close()
-    if args.json:
-        doc: dict[str, Any] = {"root": store.url, "dry_run": args.dry_run, "ok": not errors, "kept": kept,
-                               "deleted": deleted, "errors": errors, "leftovers": leftovers}
-        if args.dry_run:
-            doc["would_delete"] = doomed
-        print(json.dumps(doc))
-    else:
-        verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s); keeping {kept}")
-    return EXIT_OK if not errors else EXIT_BAD
-
-
-# ------------------------------------------------------------------------------------------------------------ parser
-def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn a storage failure that is not one of ours (a refused connection, an S3 error) into a message and exit
-    1 instead of a traceback; missing things and our own errors go on to ``cli.main``'s handlers."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (FileNotFoundError, CheckpointError, _Usage):
-            raise
-        except OSError as exc:
-            _say(args, f"tierckpt {args.cmd}: storage error: {type(exc).__name__}: {exc}")
-            return EXIT_BAD
-
-    return run
-
-
+# -------------------------------------------------------------------------------------------------- parser
 def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``sync``, ``pull`` and ``prune`` on the ``tierckpt`` sub-parsers."""
+    """Register ``sync`` and ``pull`` (and, through :mod:`.cli_prune`, ``prune``) on the ``tierckpt`` sub-parsers."""
     sp = sub.add_parser("sync", help="replicate committed local steps that the remote lacks (resumable)")
     sp.add_argument("local", help="local tier root (or one step folder)")
     sp.add_argument("remote", help="remote tier: a path or an fsspec URL such as s3://bucket/run")
     sp.add_argument("--threads", type=int, default=4, help="files uploaded in parallel (default 4)")
     sp.add_argument("--write-concurrency", type=int, default=DEFAULT_WRITE_CONCURRENCY, metavar="N",
-                    help=f"s3:// only: parts of the uploads in flight at once (default {DEFAULT_WRITE_CONCURRENCY}; "
-                         "each holds a part in memory)")
+                    help="s3:// only: parts of the uploads in flight at once "
+                         f"(default {DEFAULT_WRITE_CONCURRENCY}; each holds a part in memory)")
     sp.add_argument("--no-direct-io", dest="direct_io", action="store_false",
-                    help="read the local files and write a path remote through the page cache (default: O_DIRECT "
-                         "where the file system accepts it, as the manager's direct_io)")
+                    help="read the local files and write a path remote through the page cache (default: "
+                         "O_DIRECT where the file system accepts it, as the manager's direct_io)")
     sp.add_argument("--compression", choices=["zstd"], default=None, help="store the remote copy compressed")
-    sp.add_argument("--verify", action="store_true", help="re-read and hash every uploaded file before committing")
+    sp.add_argument("--verify", action="store_true",
+                    help="re-read and hash every uploaded file before committing")
     common(sp)
-    sp.set_defaults(fn=_guarded(cmd_sync))
+    sp.set_defaults(fn=cmd_sync)
 
     sp = sub.add_parser("pull", help="bring one step of a remote tier back into a local tier root (verified)")
     sp.add_argument("remote", help="remote tier root (or one step folder): a path or an fsspec URL")
@@ -477,14 +417,9 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("--force", action="store_true",
                     help="replace a local copy of the step that comes from another save")
     common(sp)
-    sp.set_defaults(fn=_guarded(cmd_pull))
+    sp.set_defaults(fn=cmd_pull)
 
-    sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step)")
-    sp.add_argument("root", help="tier root: a path or an fsspec URL")
-    sp.add_argument("--keep", type=int, required=True, help="keep the N newest steps")
-    sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep every K-th step")
-    sp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
-    sp.add_argument("--leftovers", action="store_true",
-                    help="also remove leftovers of unfinished saves/uploads (only while nothing writes to ROOT)")
-    common(sp)
-    sp.set_defaults(fn=_guarded(cmd_prune))
+    from . import cli_prune
+
+    cli_prune.add_commands(sub, common)
+

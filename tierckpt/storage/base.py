@@ -190,12 +190,20 @@ class Store(abc.ABC):
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - optional hook
         """Make the folder's entries durable (POSIX fsync of the directory); a no-op where it means nothing."""
 
-    def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
+    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
         """Abort the uploads under the root that were started and never completed or aborted (S3's multipart
         uploads of a writer that was killed: invisible, but stored and billed), or with ``dry_run`` only name them;
-        returns a line per upload. Only safe while nothing writes to the root (``tierckpt prune --leftovers``).
+        returns a line per upload. ``older_than_s``: only uploads started at least that long ago (a younger one,
+        or one of unknown age, may belong to a live writer: it is kept, with a line that starts with "kept").
+        Only safe while nothing writes to the root, or with ``older_than_s`` (``tierckpt prune --leftovers``).
         Stores without such uploads have none."""
         return []
+
+    def modified_times(self) -> dict[str, float | None]:
+        """Every file (and, where folders exist, folder) under the root by relative path, with its last
+        modification time in seconds since the epoch (None where the store does not say). Used to tell a
+        leftover from an upload in progress. The default, for stores that cannot be walked, is empty."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads."""

@@ -240,8 +240,11 @@ class FaultyStore(Store):
         self.plan.hit("sync_dir")
         self.inner.sync_dir(rel)
 
-    def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
-        return self.inner.discard_unfinished_uploads(dry_run=dry_run)
+    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
+        return self.inner.discard_unfinished_uploads(dry_run=dry_run, older_than_s=older_than_s)
+
+    def modified_times(self) -> dict[str, float | None]:
+        return self.inner.modified_times()
 
     def close(self) -> None:
         self.inner.close()

@@ -33,6 +33,7 @@ import errno
 import io
 import logging
 import re
+import time
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, StorageError
@@ -46,6 +47,7 @@ from .s3upload import (
     part_size_for,
     remove_quietly,
     supports_parallel_parts,
+    timestamp,
     unfinished_uploads,
 )
 
@@ -400,20 +402,31 @@ class FsspecStore(Store):
         finally:
             self._invalidate(p)
 
-    def discard_unfinished_uploads(self, *, dry_run: bool = False) -> list[str]:
+    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
         if not self._s3_requests:
             return []
         lines = []
         prefix = len(self.fs.split_path(self.root)[1])
         with self._guard("list unfinished uploads", ""):
-            found = unfinished_uploads(self.fs, self.root)
-        for bucket, key, upload_id in found:
+            found = unfinished_uploads(self.fs, self.root, with_start=True)
+        cutoff = None if older_than_s is None else time.time() - older_than_s
+        for bucket, key, upload_id, started in found:
             where = f"{self.url}/{key[prefix:].lstrip('/')}"
+            if cutoff is not None and (started is None or started > cutoff):
+                why = "its age is unknown" if started is None else f"younger than {older_than_s:g} s"
+                lines.append(f"kept the unfinished upload of {where} (may be in progress; {why})")
+                continue
             if not dry_run:
                 with self._guard("abort unfinished upload", key[prefix:].lstrip("/")):
                     self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             lines.append(f"{'would abort' if dry_run else 'aborted'} the unfinished upload of {where}")
         return lines
+
+    def modified_times(self) -> dict[str, float | None]:
+        with self._guard("list", ""):
+            found = self.fs.find(self.root, detail=True)
+        return {path[len(self.root) + 1 :]: timestamp(info) for path, info in found.items()
+                if path.startswith(self.root + "/")}
 
     def close(self) -> None:
         if self._part_uploads is not None:

@@ -399,6 +399,17 @@ class LocalStore(Store):
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
 
+    def modified_times(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for folder, dirs, files in os.walk(self.root):
+            base = os.path.relpath(folder, self.root)
+            for name in dirs + files:
+                try:
+                    out[name if base == "." else f"{base}/{name}"] = os.lstat(os.path.join(folder, name)).st_mtime
+                except FileNotFoundError:
+                    continue
+        return out
+
     def move_into(self, src: str, dst: str) -> None:
         """Rename one file within the tier (atomic on POSIX); the destination folder's fsync is the caller's."""
         os.rename(self.path(src), self.path(dst))

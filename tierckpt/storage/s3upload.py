@@ -26,6 +26,7 @@ wait for those in flight: their streams do.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -254,19 +255,41 @@ class S3MultipartStream(WriteStream):
                 failed = None
 
 
-def unfinished_uploads(fs: Any, root: str, *, page_size: int = 1000) -> list[tuple[str, str, str]]:
+def unfinished_uploads(fs: Any, root: str, *, page_size: int = 1000, with_start: bool = False) -> list[tuple]:
     """(bucket, key, upload id) of every multipart upload in progress under folder ``root`` (``bucket/prefix``),
-    all pages of S3's listing (``page_size`` uploads a request, S3's most)."""
+    all pages of S3's listing (``page_size`` uploads a request, S3's most). ``with_start``: a fourth element, when
+    the upload was started (seconds since the epoch; None if S3 does not say)."""
     bucket, prefix, _ = fs.split_path(root)
     prefix = prefix.rstrip("/") + "/" if prefix else ""  # run-4/ must not match run-42/
-    found: list[tuple[str, str, str]] = []
+    found: list[tuple] = []
     markers: dict[str, str] = {}
     while True:
         out = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, MaxUploads=page_size, **markers)
-        found += [(bucket, u["Key"], u["UploadId"]) for u in out.get("Uploads", [])]
+        found += [(bucket, u["Key"], u["UploadId"], timestamp({"Initiated": u.get("Initiated")})) if with_start
+                  else (bucket, u["Key"], u["UploadId"]) for u in out.get("Uploads", [])]
         if not out.get("IsTruncated"):
             return found
         markers = {"KeyMarker": out["NextKeyMarker"], "UploadIdMarker": out["NextUploadIdMarker"]}
+
+
+def timestamp(info: dict[str, Any]) -> float | None:
+    """A modification or start time (seconds since the epoch) in a backend's ``info`` dict, whatever the backend
+    calls it (s3fs ``LastModified``, S3's ``Initiated``, a local ``mtime``, memory ``created``, gcsfs
+    ``updated``); None if it has none."""
+    for key in ("LastModified", "Initiated", "mtime", "last_modified", "updated", "created", "timeCreated"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)).timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            parsed = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError:
+            continue
+        return (parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    return None
 
 
 def _reraise(failed: Future[Any]) -> None:
@@ -281,4 +304,4 @@ def _reraise(failed: Future[Any]) -> None:
 
 
 __all__ = ["DEFAULT_WRITE_CONCURRENCY", "PartUploads", "S3MultipartStream", "invalidate", "part_size_for",
-           "remove_quietly", "supports_parallel_parts", "unfinished_uploads"]
+           "remove_quietly", "supports_parallel_parts", "timestamp", "unfinished_uploads"]

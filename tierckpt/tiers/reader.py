@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
@@ -113,6 +113,8 @@ def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = N
             raw = store.read_bytes(rel, max_size=min(ref.size, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
             raise CorruptCheckpointError("rank manifest missing", step=step, tier=store.tier, path=where, bad_files=[ref.name]) from None
+        except StorageError:
+            raise  # the store could not be read (unreachable, denied): that says nothing about the checkpoint
         except Exception as exc:
             raise CorruptCheckpointError(f"rank manifest unreadable: {exc}", step=step, tier=store.tier, path=where,
                                          bad_files=[ref.name]) from None

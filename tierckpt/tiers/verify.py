@@ -11,14 +11,19 @@ from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
+from ..storage.commit import read_step_manifest
+from ..storage.failures import with_deadline
 from ..storage.readahead import ReadAhead, each
 from . import reader
 from .reader import ends_early_error, mismatch_error, read_manifests, segment_ends
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,12 +38,15 @@ class StepReport:
     bad_files: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     extra_files: list[str] = field(default_factory=list)
+    #: the step stopped being committed while it was checked (deleted by a live job's retention, or replaced
+    #: by another save): not a finding about it, so ``ok`` stays True
+    removed: bool = False
 
     def to_json(self) -> dict:
         return {
             "step": self.step, "ok": self.ok, "bytes": self.bytes, "created": self.created,
             "world_size": self.world_size, "ranks": self.ranks, "bad_files": self.bad_files, "errors": self.errors,
-            "extra_files": self.extra_files,
+            "extra_files": self.extra_files, "removed": self.removed,
         }
 
 
@@ -107,16 +115,34 @@ def verify_step(
     ranks: list[int] | None = None,
     progress: Callable[[int], None] | None = None,
     threads: int = 4,
+    deadline_s: float | None = None,
+    seen_committed: bool = False,
 ) -> StepReport:
     """Check one committed step completely; never raises for corruption, reports it. Files are checked on
-    ``executor``, or ``threads`` at a time; each is read with its store's ``read_concurrency`` reads in flight."""
+    ``executor``, or ``threads`` at a time; each is read with its store's ``read_concurrency`` reads in
+    flight.
+
+    A step that stops being committed while it is checked (a live job's retention deletes it: its
+    ``manifest.json`` vanishes, the folder is renamed to ``.trash-``, or another save replaces it) is reported
+    with ``removed`` set and ``ok`` True, not as corrupt: every failed check is followed by a look at whether
+    the step is still the one that was checked. ``seen_committed``: the caller saw the step committed (a
+    listing), so a ``manifest.json`` that is already gone when read also means removed. ``deadline_s``: the
+    manifest reads are retried on transient failures for at most that long
+    (:func:`~tierckpt.storage.failures.with_deadline`; None: as the store does).
+
+    Raises :class:`~tierckpt.errors.StorageError` when the storage cannot be read (unreachable, silent,
+    access denied) and the step is still there: that is not a finding about the step."""
     report = StepReport(step=step, ok=False)
     try:
-        manifest, rms = read_manifests(store, step, ranks=ranks)
+        manifest, rms = _bounded(store, step, deadline_s, lambda: read_manifests(store, step, ranks=ranks))
     except CheckpointNotFoundError as exc:
+        if seen_committed and not _still_committed(store, step, None, deadline_s):
+            return _removed(report)
         report.errors.append(str(exc))
         return report
     except CorruptCheckpointError as exc:
+        if not _still_committed(store, step, None, deadline_s):
+            return _removed(report)
         report.bad_files = exc.bad_files or [layout.STEP_MANIFEST]
         report.errors.append(str(exc))
         return report
@@ -124,29 +150,68 @@ def verify_step(
     report.ranks = [rm.rank for rm in rms]
     own = executor is None
     pool = executor or ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify")
+    failures: list[StorageError] = []
     try:
         jobs = [(rm, i) for rm in rms for i in range(len(rm.files))]
 
-        def check(job: tuple[RankManifest, int]) -> str | None:
+        def check(job: tuple[RankManifest, int]) -> str | StorageError | None:
             rm, i = job
             try:
                 verify_file(store, rm, i, progress)
             except CorruptCheckpointError as exc:
                 return str(exc)
-            except OSError as exc:
+            except StorageError as exc:  # could not read: not a finding about the file
+                return exc
+            except PermissionError as exc:
+                return StorageAccessError(f"read: access denied ({exc})", tier=store.tier,
+                                          path=f"{store.url}/{join(layout.step_dir(step), rm.files[i].name)}",
+                                          step=step, transient=False)
+            except OSError as exc:  # a missing file, a disk's read error: the file cannot be restored
                 return f"{rm.files[i].name}: unreadable: {exc}"
             return None
 
         for (rm, i), err in zip(jobs, pool.map(check, jobs)):
-            if err is not None:
+            if isinstance(err, StorageError):
+                failures.append(err)
+            elif err is not None:
                 report.bad_files.append(rm.files[i].name)
                 report.errors.append(err)
     finally:
         if own:
             pool.shutdown()
+    if (failures or report.errors) and not _still_committed(store, step, manifest.save_id, deadline_s):
+        return _removed(report)
+    if failures:
+        raise failures[0]
     report.extra_files = _extra_files(store, manifest, rms if ranks is None else None)
     report.ok = not report.bad_files and not report.errors
     return report
+
+
+def _bounded(store: Store, step: int, deadline_s: float | None, fn: Callable[[], T]) -> T:
+    """``fn()``, a manifest read of ``step``: with retries for at most ``deadline_s`` seconds unless None."""
+    if deadline_s is None:
+        return fn()
+    return with_deadline(fn, deadline_s=deadline_s, what="read manifest of", tier=store.tier,
+                         url=f"{store.url}/{layout.step_dir(step)}")
+
+
+def _still_committed(store: Store, step: int, save_id: str | None, deadline_s: float | None) -> bool:
+    """Whether ``step`` is committed in ``store`` now (by save ``save_id``, unless None): its
+    ``manifest.json`` is there, damaged or not. Raises :class:`~tierckpt.errors.StorageError` when that cannot
+    be told."""
+    try:
+        now = _bounded(store, step, deadline_s,
+                       lambda: read_step_manifest(store, layout.step_dir(step), step))
+    except CorruptCheckpointError:
+        return True
+    return now is not None and (save_id is None or now.save_id == save_id)
+
+
+def _removed(report: StepReport) -> StepReport:
+    """``report`` turned into the report of a step removed while it was checked (no errors, ``ok``)."""
+    return StepReport(step=report.step, ok=True, removed=True, bytes=report.bytes, created=report.created,
+                      world_size=report.world_size, ranks=report.ranks)
 
 
 def _extra_files(store: Store, manifest: StepManifest, rms: list[RankManifest] | None) -> list[str]:

@@ -1,0 +1,278 @@
+"""``tierckpt prune``: retention by hand, and the leftovers of unfinished saves and uploads.
+
+``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy`, deleting each step
+``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests verify and whose
+files have their recorded sizes (so a damaged newest step cannot cost the last good one). ``--leftovers`` also runs
+the commit protocol's recovery on ROOT (unfinished uploads and saves, files no manifest names).
+
+Next to a live job: a local root whose lock a live manager (or ``tierckpt pull``) holds is refused (exit 3),
+whatever the options; on a remote root, which writers on other hosts use without a lock here, ``--leftovers`` keeps
+whatever may still be in progress: leftovers and unfinished S3 uploads younger than ``--min-age`` (default 1 h), or
+of unknown age. Exit codes are :mod:`tierckpt.cli`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from .cli import (
+    EXIT_USAGE,
+    _bounded,
+    _clean,
+    _exit_for,
+    _list_root,
+    _open_root,
+    _say,
+    _seconds,
+    _Unavailable,
+    _Usage,
+)
+from .errors import CheckpointError, StorageError
+from .format import layout
+from .storage import folder_lock
+from .storage.base import Store, join
+from .storage.failures import translate
+
+#: Seconds a remote root's leftover must have been left alone before ``prune --leftovers`` removes it.
+DEFAULT_MIN_AGE_S = 3600.0
+
+
+def _url(store: Store, rel: str) -> str:
+    return f"{store.url}/{rel}" if rel else store.url
+
+
+def _manifests_ok(args: argparse.Namespace, store: Store, step: int) -> bool:
+    """Cheap integrity check: the manifests verify and every data file has its recorded size. Raises
+    :class:`~tierckpt.errors.StorageError` when the store cannot be read (that says nothing about the
+    step)."""
+    from .tiers.reader import check_sizes, read_manifests
+
+    def check() -> None:
+        _manifest, rms = read_manifests(store, step)
+        for rm in rms:
+            check_sizes(store, rm)
+
+    try:
+        _bounded(args, store, "read manifests of", check)
+    except StorageError:
+        raise
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def _refuse_if_live(store: Store) -> None:
+    """``_Unavailable`` (exit 3) when ``store`` is a local folder whose lock a live process holds (a running
+    ``CheckpointManager`` or ``tierckpt pull``): its retention and recovery own the folder while it runs."""
+    if store.local_path is None:
+        return
+    ranks = folder_lock.live_holders(store.local_path)
+    if ranks:
+        raise _Unavailable(f"{store.url} is in use by a live CheckpointManager (ranks {ranks}); stop it "
+                           "first (its own retention prunes this folder while it runs), then prune")
+
+
+def _is_local_tier(store: Store) -> bool:
+    """Whether ``store`` is a folder that a manager uses as its local tier (it holds lock files, whose holders
+    :func:`_refuse_if_live` checks); any other root is a remote tier, which writers on other hosts may be
+    uploading to without a lock here."""
+    if store.local_path is None:
+        return False
+    try:
+        return any(n.startswith(layout.LOCK_PREFIX) for n in os.listdir(store.local_path))
+    except OSError:
+        return False
+
+
+class _OldLeftoversOnly:
+    """``store`` as the commit protocol's recovery sees it in ``prune --leftovers`` on a remote root: whatever
+    a live writer may still be writing is hidden, so recovery (and the dry run's listing) cannot touch it.
+
+    Hidden: leftover folders (``.tmp-``, ``.trash-``, step folders without ``manifest.json``) whose newest
+    file is younger than ``min_age_s`` or of unknown age, such files of committed step folders (a new save of
+    the step being written next to the old one), and unfinished multipart uploads started less than
+    ``min_age_s`` ago. :attr:`kept` describes each hidden leftover (folders and uploads). Everything else is
+    ``store``'s own."""
+
+    def __init__(self, store: Store, times: dict[str, float | None], min_age_s: float, now: float) -> None:
+        self._store = store
+        self._times = times
+        self._min_age_s = min_age_s
+        self._cutoff = now - min_age_s
+        self._under: dict[str, list[float | None]] = {}  # a top-level name -> the times of all it holds
+        for path, t in times.items():
+            self._under.setdefault(path.split("/", 1)[0], []).append(t)
+        self.kept: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def _young(self, rel: str) -> str | None:
+        """Why ``rel`` (a top-level folder, or a file in one) must be kept: None if it and all it holds are
+        older than the cutoff."""
+        if "/" not in rel:
+            times = self._under.get(rel, [])
+        else:
+            times = [self._times[rel]] if rel in self._times else []
+        if not times or any(t is None for t in times):
+            return "its age is unknown"
+        return "younger than --min-age" if max(cast(list[float], times)) > self._cutoff else None
+
+    def _keep(self, what: str, why: str) -> None:
+        line = f"kept {what} (may be in progress; {why})"
+        if line not in self.kept:
+            self.kept.append(line)
+
+    def list(self, rel: str = "") -> list[str]:
+        names = self._store.list(rel)
+        rel = join(rel)
+        if not rel:
+            shown = []
+            for name in names:
+                manifest_less = (layout.parse_step_dir(name) is not None
+                                 and join(name, layout.STEP_MANIFEST) not in self._times)
+                leftover = layout.is_leftover(name) or manifest_less
+                why = self._young(name) if leftover else None
+                if why is None:
+                    shown.append(name)
+                else:
+                    self._keep(_url(self._store, name), why)
+            return shown
+        if layout.parse_step_dir(rel) is not None:  # a committed step's folder: its young files stay unlisted
+            return [n for n in names if self._young(join(rel, n)) is None]
+        return names
+
+    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
+        lines = self._store.discard_unfinished_uploads(dry_run=dry_run, older_than_s=self._min_age_s)
+        for line in lines:
+            if line.startswith("kept ") and line not in self.kept:
+                self.kept.append(line)
+        return [line for line in lines if not line.startswith("kept ")]
+
+
+def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[BaseException],
+                     errors: list[str]) -> tuple[list[str], list[str]]:
+    """Run the store's commit-protocol recovery (or, with ``--dry-run``, list what it would touch): unfinished
+    uploads and saves, and files no manifest names. On a remote root only what is older than ``--min-age``
+    (see :class:`_OldLeftoversOnly`). Returns (what was done, or with ``--dry-run`` the leftovers' names and
+    the uploads it would abort; what was kept as possibly in progress); a failure is appended to ``failures``
+    and ``errors`` and reported on stderr."""
+    from .storage.commit import protocol_for
+    from .tiers.verify import list_root
+
+    view: Any = store
+    try:
+        if args.min_age > 0 and not _is_local_tier(store):
+            times = _bounded(args, store, "list", store.modified_times)
+            view = _OldLeftoversOnly(store, times, args.min_age, time.time())
+        if args.dry_run:
+            found = _bounded(args, store, "list", lambda: list_root(view).incomplete)
+            uploads = _bounded(args, store, "list unfinished uploads",
+                               lambda: view.discard_unfinished_uploads(dry_run=True))
+            if not args.json:
+                for name in found:
+                    print(f"would remove leftover {_url(store, name)}")
+                for line in uploads:
+                    print(line)
+            actions = found + uploads
+        else:
+            actions = protocol_for(store).recover(view)
+            if not args.json:
+                for action in actions:
+                    print(f"leftover: {action}")
+    except (CheckpointError, OSError) as exc:
+        failures.append(translate(exc, op="clean leftovers", tier=store.tier, url=store.url))
+        msg = _clean(args, f"FAILED to clean leftovers under {store.url}: {exc}")
+        errors.append(f"leftovers: {msg}")
+        print(msg, file=sys.stderr)
+        actions = []
+    kept = list(getattr(view, "kept", []))
+    if not args.json:
+        for line in kept:
+            print(line)
+    return actions, kept
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step."""
+    from .retention import KeepPolicy
+    from .tiers.uploader import delete_step
+
+    try:
+        policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    store, only = _open_root(args, args.root)
+    if only is not None:
+        raise _Usage("prune takes a tier root, not a step folder")
+    try:
+        _refuse_if_live(store)
+        steps = sorted(_list_root(args, store).steps)
+        if not steps:
+            _say(args, f"no committed checkpoints under {store.url}")
+            return EXIT_USAGE
+        doomed = policy.to_delete(steps)
+        protected = next((s for s in reversed(steps) if _manifests_ok(args, store, s)), None)
+        if protected in doomed:
+            doomed.remove(protected)
+            if not args.json:
+                print(f"keeping step {protected}: the newest step whose manifests verify")
+        kept = [s for s in steps if s not in doomed]
+        deleted: list[int] = []
+        errors: list[str] = []
+        failures: list[BaseException] = []
+        for step in doomed:
+            where = _url(store, layout.step_dir(step))
+            if args.dry_run:
+                if not args.json:
+                    print(f"would delete step {step} ({where})")
+                continue
+            try:
+                delete_step(store, step)
+            except (CheckpointError, OSError) as exc:
+                failures.append(translate(exc, op="delete", tier=store.tier, url=where, step=step))
+                msg = _clean(args, f"step {step}: FAILED to delete {where}: {exc}")
+                errors.append(msg)
+                print(msg, file=sys.stderr)
+                continue
+            deleted.append(step)
+            if not args.json:
+                print(f"deleted step {step} ({where})")
+        leftovers, young = _prune_leftovers(args, store, failures, errors) if args.leftovers else ([], [])
+    finally:
+        store.close()
+    if args.json:
+        doc: dict[str, Any] = {"root": store.url, "dry_run": args.dry_run, "ok": not errors, "kept": kept,
+                               "deleted": deleted, "errors": errors, "leftovers": leftovers,
+                               "kept_leftovers": young}
+        if args.dry_run:
+            doc["would_delete"] = doomed
+        print(json.dumps(doc))
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s); keeping {kept}")
+    return _exit_for(failures)
+
+
+
+def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``prune`` on the ``tierckpt`` sub-parsers."""
+    sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step)")
+    sp.add_argument("root", help="tier root: a path or an fsspec URL")
+    sp.add_argument("--keep", type=int, required=True, help="keep the N newest steps")
+    sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep every K-th step")
+    sp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    sp.add_argument("--leftovers", action="store_true",
+                    help="also remove leftovers of unfinished saves/uploads (on a remote root: those older "
+                         "than --min-age only)")
+    sp.add_argument("--min-age", type=_seconds, default=DEFAULT_MIN_AGE_S, metavar="SECONDS",
+                    help="remote roots: leftovers younger than this may be a live writer's upload in "
+                         f"progress and are kept (default {DEFAULT_MIN_AGE_S:g}; 0 removes every leftover)")
+    common(sp)
+    sp.set_defaults(fn=cmd_prune)
