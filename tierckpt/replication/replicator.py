@@ -276,9 +276,13 @@ class Replicator:
             if resume:
                 self._sort_resumed(set())
             return False
+        try:
+            local = set(list_root(self.local).steps)
+        except OSError:
+            local = set(self._committed_at)
         with self._cond:
             self._remote_steps = steps
-            self._replicated |= steps & set(self._committed_at)
+            self._replicated |= steps & local  # every local step the remote holds, resumed or not
         if resume:
             self._sort_resumed(steps)
         return True
