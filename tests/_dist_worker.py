@@ -405,9 +405,52 @@ def scenario_kill2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) ->
     dist.barrier()
 
 
+def scenario_outage2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """The shared remote refuses every write while 8 steps are saved (keep_local=2, keep_remote=2), then comes back
+    for step 9. Records each node's largest local tier, what every rank's handles said, and both tiers at the end."""
+    from tierckpt import CheckpointManager
+    from tierckpt.storage.faulty import FaultyStore
+    from tierckpt.tiers.verify import list_root
+
+    root = Path(cfg["root"])
+    T = cfg["timeout"]
+
+    def outage():
+        mgr = CheckpointManager(root / f"o{rank}", remote=root / "oremote", keep_local=2, keep_remote=2,
+                                collective_timeout_s=T, upload_deadline_s=30)
+        real = mgr.remote
+        mgr.remote = FaultyStore(real, fail={"makedirs": "all", "open_write": "all", "write_bytes": "all"},
+                                 error_factory=lambda op, n: PermissionError(13, f"injected: {op} refused"))
+        most, outcomes = 0, []
+        for s in range(1, 9):
+            h = mgr.save(s, make_state(rank, s))
+            h.persisted.result(timeout=60)
+            try:
+                outcomes.append("skipped" if h.uploaded.result(timeout=60) is None else "uploaded")
+            except Exception as exc:
+                outcomes.append(type(exc).__name__)
+            most = max(most, len(list_root(mgr.local).steps))
+        during = sorted(list_root(mgr.local).steps)
+        werr = wait_result(mgr)
+        dist.barrier()
+        mgr.remote = real
+        h = mgr.save(9, make_state(rank, 9))
+        up9 = h.uploaded.result(timeout=60)
+        wait_result(mgr)  # the catch-up of the failed steps still kept
+        dist.barrier()  # every rank's thread took part in every upload the leader decided
+        out = {"most": most, "outcomes": outcomes, "during": during, "wait_error": werr,
+               "uploaded9": up9 is not None, "local_after": sorted(list_root(mgr.local).steps),
+               "remote_after": sorted(list_root(real).steps)}
+        mgr.close()
+        return out
+
+    rec.phase("outage", outage)
+    dist.barrier()
+
+
 SCENARIOS = {
     "posix2": scenario_posix2, "world4": scenario_world4, "s3": scenario_s3, "kill1": scenario_kill1,
-    "kill2": scenario_kill2,
+    "kill2": scenario_kill2, "outage2": scenario_outage2,
 }
 
 

@@ -349,3 +349,20 @@ def test_after_a_kill_the_previous_step_is_everyones_target(killed: tuple[Run, R
     leftovers = json.loads((second.root / "leftovers.json").read_text())  # before the restart: there were some
     assert "step-0000000002" in leftovers["0"] and any(n.startswith(".tmp-step-0000000002-r00001-")
                                                         for n in leftovers["1"]), leftovers
+
+
+# ------------------------------------------------------------------------------------------------ remote outage
+def test_remote_outage_bounds_every_nodes_local_tier_and_ranks_upload_the_same_steps(tmp_path: Path) -> None:
+    """Two ranks on two nodes, the shared remote refusing every write for 8 saves: rank 0 decides which steps to
+    upload, drop and delete, the other rank follows, so both nodes keep at most keep_local + max_upload_backlog
+    steps (+ the one in flight) and agree; once the remote is back the newest steps are committed for both ranks."""
+    run = launch("outage2", 2, tmp_path)
+    recs = [run.phase(r, "outage") for r in (0, 1)]
+    for r, rec in enumerate(recs):
+        assert "phase_error" not in rec, rec
+        assert rec["most"] <= 5, (r, rec)  # before: every step stayed on every node
+        assert rec["during"][-1] == 8 and len(rec["during"]) <= 4, (r, rec)
+        assert "UploadError" in rec["outcomes"] and rec["outcomes"][-1] == "UploadError", (r, rec)
+        assert rec["uploaded9"] and rec["remote_after"] == [8, 9] and rec["local_after"] == [8, 9], (r, rec)
+    assert recs[0]["during"] == recs[1]["during"], recs
+    assert recs[0]["outcomes"] == recs[1]["outcomes"], recs

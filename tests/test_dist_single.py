@@ -259,8 +259,26 @@ class FakeCoordinator:
     def silent_ranks(self, sid: str) -> list[int]:
         return [1]  # rank 1 is the one a twin makes fail or die
 
+    def upload_channel(self) -> Any:
+        return _LeaderChannel(self)
+
     def destroy(self) -> None:
         pass
+
+
+class _LeaderChannel:
+    """Rank 0's side of the replication decisions; rank 1 of a twin reads none (its uploads are simulated)."""
+
+    leader = True
+
+    def __init__(self, coord: FakeCoordinator) -> None:
+        self.coord = coord
+
+    def publish(self, seq: int, decision: dict[str, Any]) -> None:
+        self.coord.calls.append(("upload-decision", (seq, decision)))
+
+    def receive(self, seq: int, timeout_s: float) -> None:  # pragma: no cover - rank 0 never receives
+        raise AssertionError("the leader receives no decision")
 
 
 def ok_peer(step_sid: Callable[[int], str] | None = None) -> Callable[[str, Any], Any]:

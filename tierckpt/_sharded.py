@@ -16,11 +16,14 @@ from .errors import (
     CorruptCheckpointError,
     StateMismatchError,
     StorageError,
+    UploadError,
 )
 from .format import layout
 from .format.manifest import RankRef, StepManifest
 from .storage.base import Store
 from .storage.commit import read_step_manifest
+from .storage.failures import describe
+from .storage.retry import is_transient
 from .tiers import sharded
 from .tiers.listing import TierListings
 from .tiers.writer import RankSnapshot
@@ -112,11 +115,17 @@ def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any]) -> None:
         remote_manifest = None
     if remote_manifest is not None and remote_manifest.save_id == local_manifest.save_id:
         return
-    sharded.upload_shard(mgr.local, mgr.remote, step, rank, **opts)
-    if rank == 0:
-        sharded.commit_remote(mgr.remote, local_manifest, deadline_s=opts.get("deadline_s"))
-    else:
-        sharded.wait_remote_commit(mgr.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
+    try:
+        sharded.upload_shard(mgr.local, mgr.remote, step, rank, **opts)
+        if rank == 0:
+            sharded.commit_remote(mgr.remote, local_manifest, deadline_s=opts.get("deadline_s"))
+        else:
+            sharded.wait_remote_commit(mgr.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a storage failure outside the per-file retries (creating the folder, polling)
+        raise UploadError(f"rank {rank}: cannot replicate to {mgr.remote.url}: {describe(exc)}", step=step,
+                          tier=mgr.remote.tier, path=mgr.remote.url, transient=is_transient(exc)) from exc
 
 
 def candidates(mgr: CheckpointManager, tiers: list[Store], listing: TierListings) -> dict[int, list[Store]]:

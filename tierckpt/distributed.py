@@ -4,14 +4,16 @@ The manager never runs a collective on the training process group. It creates tw
 construction (a collective call every rank makes in the same order, from the main thread): one used only by the
 persist thread (to agree that every rank's shard is durable before a step is committed), one used only by the
 caller's thread (construction and restore). Each group is used by exactly one thread, in the same order on every rank
-(the steps in order), so collectives never interleave. The upload thread coordinates through the remote storage
-only. A rank that dies makes the others' next collective fail after ``collective_timeout_s`` with an error naming the
+(the steps in order), so collectives never interleave. The upload thread runs no collective: it coordinates
+through the remote storage and, for rank 0's replication decisions, the job's c10d store (:class:`StoreChannel`).
+A rank that dies makes the others' next collective fail after ``collective_timeout_s`` with an error naming the
 step; the step is then committed nowhere.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import secrets
@@ -92,9 +94,49 @@ class Coordinator:
         dist.all_gather_object(out, obj, group=group)
         return out
 
+    def upload_channel(self) -> StoreChannel:
+        """Where rank 0's replicator publishes its decisions and the others read them (see
+        :class:`tierckpt.replication.replicator.UploadChannel`)."""
+        return StoreChannel(self.topology.run_id, self.topology.rank, self.topology.world_size)
+
     def destroy(self) -> None:
         for g in (self.persist_group, self.main_group):
             try:
                 dist.destroy_process_group(g)
             except Exception:  # the default group may already be gone at interpreter exit
                 pass
+
+
+class StoreChannel:
+    """Rank 0's replication decisions, shared through the job's c10d store (the TCPStore or FileStore the default
+    process group was created with): one key per decision, ``tierckpt/<run id>/upload/<n>``, set by rank 0 and
+    read by every other rank in order; the last reader deletes it, so the store holds only decisions not yet read
+    by everyone. Not a collective: a rank that is busy uploading reads the next decision when it is done."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int) -> None:
+        self.leader = rank == 0
+        self._prefix = f"tierckpt/{run_id}/upload/"
+        self._followers = world_size - 1
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except Exception as exc:  # pragma: no cover - every initialised default group has a store
+            raise CheckpointError("a multi-rank CheckpointManager with a remote tier needs the default process "
+                                  f"group's store: {exc}") from exc
+
+    def publish(self, seq: int, decision: dict[str, Any]) -> None:
+        self._store.set(f"{self._prefix}{seq}", json.dumps(decision))
+
+    def receive(self, seq: int, timeout_s: float) -> dict[str, Any] | None:
+        key = f"{self._prefix}{seq}"
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except Exception:  # not there yet (the store's timeout error); the caller asks again
+            return None
+        decision = json.loads(self._store.get(key))
+        try:
+            if self._store.add(f"{key}/read", 1) >= self._followers:
+                self._store.delete_key(key)
+                self._store.delete_key(f"{key}/read")
+        except Exception as exc:  # a store without delete_key keeps a few bytes per decision
+            log.debug("cannot remove the read replication decision %s: %s", key, exc)
+        return decision

@@ -246,7 +246,8 @@ class CheckpointManager:
             self.local, self.remote, policy=self._retention, upload=self._upload, resume=resume,
             on_done=self._write_record, track=self._track,
             remote_retention=self._coord is None or self._coord.topology.rank == 0, local_retention=leader,
-            ordered=self._coord is not None, list_deadline_s=self.options.remote_timeout_s)
+            channel=None if self._coord is None else self._coord.upload_channel(),
+            list_deadline_s=self.options.remote_timeout_s)
         self._replicator.start()
 
     @property

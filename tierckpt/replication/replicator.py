@@ -15,8 +15,10 @@ Invariants:
 - a failed upload resolves its handle with the error once (``wait()``/``close()`` re-raise it) and is tried again
   after a backoff while it is still wanted; a success ends the failure streak;
 - every piece of state is under one lock; the thread is the only one that uploads or deletes remote steps;
-- in ``ordered`` mode (multi-rank jobs, whose ranks must upload the same steps in the same order) steps go oldest
-  first, none is dropped or retried by time, and no unreplicated local step is deleted.
+- in a multi-rank job (an :class:`UploadChannel`) every rank uploads the same steps in the same order: rank 0's
+  replicator (the leader) decides as above and publishes each decision (the step to upload, the steps dropped, the
+  unreplicated local steps to delete); the others (followers) apply the decisions in order and decide nothing by
+  themselves. So every node's local tier is bounded the same way, and no rank waits for a shard another skipped.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..errors import CheckpointNotFoundError, StorageError
 from ..storage.base import Store
@@ -72,6 +74,20 @@ class Health:
         return {**self.__dict__, "waiting": list(self.waiting), "ok": self.ok}
 
 
+class UploadChannel(Protocol):
+    """How the ranks of a multi-rank job share the leader's replication decisions (the c10d store in
+    :mod:`tierckpt.distributed`). Decisions are small JSON-able dicts, numbered from 0 without gaps."""
+
+    #: True on the rank that decides (rank 0)
+    leader: bool
+
+    def publish(self, seq: int, decision: dict[str, Any]) -> None:
+        """Leader: make decision ``seq`` visible to every follower."""
+
+    def receive(self, seq: int, timeout_s: float) -> dict[str, Any] | None:
+        """Follower: decision ``seq``, or None if it did not come within ``timeout_s``."""
+
+
 @dataclass
 class _Waiter:
     handle: Any  # SaveHandle | None
@@ -85,13 +101,14 @@ class Replicator:
     ``track(future)`` is handed the future of each upload the component starts by itself (resumed steps, and failed
     steps caught up once the remote answers again), so that the owner's ``wait()`` includes them.
     ``remote_retention`` / ``local_retention``: whether this process applies each tier's retention (in a
-    multi-rank job, rank 0 and each node's leader). ``list_deadline_s``: how long a listing of the remote keeps
-    trying before it is given up for now."""
+    multi-rank job, rank 0 and each node's leader). ``channel``: a multi-rank job's decisions (see the module
+    docstring). ``list_deadline_s``: how long a listing of the remote keeps trying before it is given up for now.
+    ``clock``: monotonic seconds, for the retry backoff (tests inject their own, then call :meth:`wake`)."""
 
     def __init__(self, local: Store, remote: Store, *, policy: ReplicationPolicy, upload: Callable[[int], Any],
                  resume: list[int], on_done: Callable[[Any], None], track: Callable[[Future], Any] = lambda f: None,
-                 remote_retention: bool = True,
-                 local_retention: bool = True, ordered: bool = False, list_deadline_s: float | None = 30.0,
+                 remote_retention: bool = True, local_retention: bool = True,
+                 channel: UploadChannel | None = None, list_deadline_s: float | None = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.local = local
         self.remote = remote
@@ -100,7 +117,11 @@ class Replicator:
         self._on_done = on_done
         self._remote_retention = remote_retention
         self._local_retention = local_retention
-        self._ordered = ordered
+        self._channel = channel
+        self._follower = channel is not None and not channel.leader
+        self._seq = 0  # the next decision's number (multi-rank)
+        #: a follower's outcome of each step a decision named: its submit() may come after the decision
+        self._outcomes: dict[int, tuple[str, Any]] = {}
         self._list_deadline_s = list_deadline_s
         self._clock = clock
         self._cond = threading.Condition()
@@ -137,11 +158,20 @@ class Replicator:
         first upload attempt is over: uploaded, failed (the error is in ``handle.uploaded`` and
         :meth:`take_errors`) or dropped."""
         fut: Future = Future()
+        waiter = _Waiter(handle, fut)
         with self._cond:
-            self._waiting.setdefault(step, []).append(_Waiter(handle, fut))
             self._committed_at.setdefault(step, self._clock())
-            self._retry_at.pop(step, None)
-            self._cond.notify_all()
+            outcome = self._outcomes.pop(step, None)
+            if outcome is None:
+                self._waiting.setdefault(step, []).append(waiter)
+                self._retry_at.pop(step, None)
+                self._cond.notify_all()
+        if outcome is not None:  # a follower whose leader decided on this step before it was committed here
+            kind, detail = outcome
+            if kind == "failed":
+                self._fail_waiters([waiter], detail)
+            else:
+                self._resolve(step, [waiter], skipped=detail if kind == "dropped" else None)
         return fut
 
     def wake(self) -> None:
@@ -225,20 +255,22 @@ class Replicator:
                 with self._cond:
                     replicated = set(self._replicated)
                     remote = set(self._remote_steps or ())
-                policy = replace(self.policy, max_backlog=1 << 30) if self._ordered else self.policy
-                for step, why in policy.local_deletions(local, replicated=replicated, remote=remote):
-                    if why != REPLICATED and (self._ordered or step == self._current):
-                        continue
-                    if why == OVER_BACKLOG:
-                        log.warning("step %d, tier local: deleting it although the remote does not hold it: more "
-                                    "than max_upload_backlog=%d older steps are waiting for the remote (%s)", step,
-                                    self.policy.max_backlog, self.local.url)
-                    elif why == SUPERSEDED:
-                        log.info("step %d, tier local: deleting it unreplicated: superseded by newer steps, the "
-                                 "remote's retention would not keep it (%s)", step, self.local.url)
+                for step, why in self.policy.local_deletions(local, replicated=replicated, remote=remote):
+                    if why != REPLICATED and (self._channel is not None or step == self._current):
+                        continue  # multi-rank: unreplicated steps go only when the leader's decision says so
+                    self._log_deletion(step, why)
                     delete_step(self.local, step)
             except Exception as exc:
                 log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
+
+    def _log_deletion(self, step: int, why: str) -> None:
+        if why == OVER_BACKLOG:
+            log.warning("step %d, tier local: deleting it although the remote does not hold it: more than "
+                        "max_upload_backlog=%d older steps are waiting for the remote (%s)", step,
+                        self.policy.max_backlog, self.local.url)
+        elif why == SUPERSEDED:
+            log.info("step %d, tier local: deleting it unreplicated: superseded by newer steps, the remote's "
+                     "retention would not keep it (%s)", step, self.local.url)
 
     def _apply_remote_retention(self) -> None:
         if not self._remote_retention:
@@ -255,16 +287,115 @@ class Replicator:
 
     # ----------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
+        if self._follower:
+            self._follow()
+            return
         self._list_remote(resume=True)
         while True:
             due = self._wait_due()
             if due is None:
                 return
-            step, dropped = self._decide(due)
-            for s, waiters, why in dropped:
-                self._resolve(s, waiters, skipped=why)
-            if step is not None:
-                self._attempt(step)
+            try:
+                self._round(due)
+            except Exception as exc:  # a bug, or the c10d store gone: logged, and the thread goes on
+                log.exception("tier remote: replication round failed under %s: %s", self.remote.url, exc)
+                time.sleep(1.0)
+
+    def _round(self, due: set[int]) -> None:
+        """One decision of the leader (or of a single-process job's replicator), carried out."""
+        step, dropped, deletes = self._decide(due)
+        if self._channel is not None:
+            self._publish({"step": step, "drop": [[s, why] for s, _w, why in dropped], "delete": deletes})
+        for s, waiters, why in dropped:
+            self._resolve(s, waiters, skipped=why)
+        self._delete_local(deletes)
+        if step is not None:
+            self._attempt(step)
+
+    def _publish(self, decision: dict[str, Any]) -> None:
+        assert self._channel is not None
+        with self._cond:
+            seq, self._seq = self._seq, self._seq + 1
+            remote = self._remote_steps
+        decision["remote_newest"] = max(remote) if remote else None
+        self._channel.publish(seq, decision)
+
+    def _follow(self) -> None:
+        """A follower's thread: apply the leader's decisions in order until the component closes."""
+        assert self._channel is not None
+        while True:
+            decision = None
+            while decision is None:
+                with self._cond:
+                    if self._closed:
+                        return
+                    seq = self._seq
+                decision = self._channel.receive(seq, 0.5)
+            with self._cond:
+                self._seq += 1
+            try:
+                self._apply(decision)
+            except Exception as exc:  # a bug: logged, and the next decision is applied
+                log.exception("tier remote: applying replication decision %d failed: %s", seq, exc)
+
+    def _apply(self, d: dict[str, Any]) -> None:
+        """A follower applies one decision of the leader (see :meth:`_run` and :meth:`_sort_resumed`)."""
+        if "resumed_done" in d:  # the start-up decision: what the remote holds, which resumed steps are done
+            remote = None if d.get("remote") is None else set(d["remote"])
+            local = self._local_steps()
+            with self._cond:
+                if remote is not None:
+                    self._remote_steps = remote
+                    self._replicated |= remote & local
+                done = [(s, self._waiting.pop(s, [])) for s in d["resumed_done"]]
+                self._replicated |= {s for s, _ in done}
+            for s, waiters in done:
+                self._resolve(s, waiters)
+            self.apply_local_retention()
+            return
+        with self._cond:
+            if d.get("remote_newest") is not None:
+                self._remote_steps = (self._remote_steps or set()) | {d["remote_newest"]}
+            dropped = []
+            for s, why in d.get("drop", []):
+                waiters = self._waiting.pop(s, [])
+                if not waiters:
+                    self._outcomes[s] = ("dropped", why)
+                dropped.append((s, waiters, why))
+        for s, waiters, why in dropped:
+            self._resolve(s, waiters, skipped=why)
+        self._delete_local([(s, why) for s, why in d.get("delete", [])])
+        if d.get("step") is not None:
+            self._attempt(d["step"])
+        self._trim_outcomes()
+
+    def _trim_outcomes(self, keep: int = 1024) -> None:
+        with self._cond:
+            for s in sorted(self._outcomes)[:-keep]:
+                del self._outcomes[s]
+
+    def _local_steps(self) -> set[int]:
+        try:
+            return set(list_root(self.local).steps)
+        except OSError as exc:
+            log.warning("tier local: cannot list %s: %s", self.local.url, exc)
+            with self._cond:
+                return set(self._committed_at)
+
+    def _delete_local(self, deletes: list[tuple[int, str]] | list[list[Any]]) -> None:
+        """Delete unreplicated local steps a decision gave up on (logged); this node's leader only."""
+        if not deletes or not self._local_retention:
+            return
+        with self._retention_lock:
+            local = self._local_steps()
+            for step, why in deletes:
+                if step not in local or step == self._current:
+                    continue
+                self._log_deletion(step, why)
+                try:
+                    delete_step(self.local, step)
+                except Exception as exc:
+                    log.warning("step %d, tier local: deleting it failed under %s: %s", step, self.local.url, exc)
 
     def _list_remote(self, *, resume: bool) -> bool:
         try:
@@ -300,6 +431,10 @@ class Replicator:
                 elif s in self._waiting:
                     log.info("tier remote: re-queueing upload of step %d (committed locally, missing in %s)", s,
                              self.remote.url)
+            listed = self._remote_steps
+        if self._channel is not None:
+            self._publish({"remote": None if listed is None else sorted(listed),
+                           "resumed_done": [s for s, _ in done]})
         for s, waiters in done:
             self._resolve(s, waiters)
         if done:
@@ -318,18 +453,18 @@ class Replicator:
                 self._cond.wait(None if wake is None else max(0.01, wake - now))
             return None
 
-    def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]]]:
-        """The step to upload now among ``due`` and the steps dropped (with their waiters and why)."""
-        if self._ordered:
-            return min(due), []
-        try:
-            local = set(list_root(self.local).steps)
-        except OSError as exc:
-            log.warning("tier local: cannot list %s: %s", self.local.url, exc)
-            local = due
+    def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]], list[list[Any]]]:
+        """The step to upload now among ``due``, the steps dropped (with their waiters and why), and (multi-rank:
+        the leader decides for every node) the unreplicated local steps to delete."""
+        local = self._local_steps() or set(due)
         with self._cond:
             remote = set(self._remote_steps or ())
+            replicated = set(self._replicated)
         plan = self.policy.plan_uploads(due, remote=remote, local=local)
+        deletes: list[list[Any]] = []
+        if self._channel is not None:
+            deletes = [[s, why] for s, why in self.policy.local_deletions(local, replicated=replicated, remote=remote)
+                       if why != REPLICATED and s != plan.next]
         with self._cond:
             dropped = []
             for s, why in plan.dropped:
@@ -337,7 +472,7 @@ class Replicator:
                 dropped.append((s, self._waiting.pop(s, []), why))
             if plan.next is not None:
                 self._retry_at.pop(plan.next, None)
-        return plan.next, dropped
+        return plan.next, dropped, deletes
 
     def _attempt(self, step: int) -> None:
         with self._cond:
@@ -353,6 +488,8 @@ class Replicator:
         with self._cond:
             self._current = None
             self._replicated.add(step)
+            if self._follower and not waiters:
+                self._outcomes[step] = ("uploaded", None)
             if self._remote_steps is not None:
                 self._remote_steps.add(step)
             self._failures, self._failing_since = 0, None
@@ -362,7 +499,7 @@ class Replicator:
             self._retry_at = {}
         self._apply_remote_retention()
         self.apply_local_retention()
-        if self._remote_steps is None:
+        if self._remote_steps is None and not self._follower:
             self._list_remote(resume=False)
         self._resolve(step, waiters)  # after retention: wait() returns with both tiers trimmed
 
@@ -378,9 +515,9 @@ class Replicator:
         self._failed_streak(exc)
         gone = isinstance(exc, CheckpointNotFoundError) and exc.tier == self.local.tier
         with self._cond:
-            if waiters:
-                self._errors.append(exc)
-            if not gone and not self._ordered and not self._closed:
+            if self._follower and not waiters:
+                self._outcomes[step] = ("failed", exc)
+            if not gone and not self._follower and not self._closed:
                 delay = self.policy.retry_delay(self._failures)
                 self._retry_at[step] = self._clock() + delay
                 log.error("step %d, tier remote: upload to %s failed (the local copy is kept; retry in %.0f s "
@@ -388,6 +525,12 @@ class Replicator:
             else:
                 log.error("step %d, tier remote: upload to %s failed (the local copy is kept): %s", step,
                           self.remote.url, exc)
+        self._fail_waiters(waiters, exc)
+
+    def _fail_waiters(self, waiters: list[_Waiter], exc: BaseException) -> None:
+        if waiters:
+            with self._cond:
+                self._errors.append(exc)
         for w in waiters:
             if w.handle is not None:
                 w.handle._record.error = str(exc)
