@@ -360,7 +360,7 @@ def test_remote_outage_bounds_every_nodes_local_tier_and_ranks_upload_the_same_s
     recs = [run.phase(r, "outage") for r in (0, 1)]
     for r, rec in enumerate(recs):
         assert "phase_error" not in rec, rec
-        assert rec["most"] <= 5, (r, rec)  # before: every step stayed on every node
+        assert rec["most"] <= 5, (r, rec)  # not every step on every node
         assert rec["during"][-1] == 8 and len(rec["during"]) <= 4, (r, rec)
         assert "UploadError" in rec["outcomes"] and rec["outcomes"][-1] == "UploadError", (r, rec)
         assert rec["uploaded9"] and rec["remote_after"] == [8, 9] and rec["local_after"] == [8, 9], (r, rec)

@@ -52,7 +52,7 @@ def test_a_failing_remote_never_costs_a_local_checkpoint(tmp_path: Path) -> None
     mgr, faulty = _manager(tmp_path, keep_local=50)
     handles = []
     for step in range(1, 9):
-        handles.append(mgr.save(step, _state(step)))  # raised UploadError for an earlier step before the fix
+        handles.append(mgr.save(step, _state(step)))  # an earlier upload error must not stop this one
         handles[-1].persisted.result(timeout=30)
         handles[-1].uploaded.exception(timeout=30)
     assert sorted(list_root(mgr.local).steps) == list(range(1, 9))
@@ -79,7 +79,7 @@ def test_local_tier_stays_bounded_during_an_outage(tmp_path: Path) -> None:
         h.uploaded.exception(timeout=30)
         assert len(list_root(mgr.local).steps) <= 4
     local = sorted(list_root(mgr.local).steps)
-    assert local == [4, 6, 7, 8], local  # before the fix: all 8 steps stayed
+    assert local == [4, 6, 7, 8], local  # not all 8: the outage must not fill the disk
     state = _empty()
     assert mgr.restore(state) == 8
     assert_tree_equal(state, _state(8))
@@ -138,4 +138,4 @@ def test_bandwidth_cap_applies_to_small_steps(tmp_path: Path) -> None:
                            upload_threads=1) as mgr:
         h = mgr.save(1, _state(1, n=200_000))
         up = h.uploaded.result(timeout=60) - h.persisted.result(timeout=60)
-        assert up >= 0.6, up  # before the fix: the first second's worth passed at once
+        assert up >= 0.6, up  # not one burst: the cap holds from the first byte

@@ -66,7 +66,7 @@ def test_remote_refused_restart_restores_local_and_saves_go_on(tmp_path, s3_serv
     assert time.monotonic() - t0 < 2, "construction waited for the remote"
     state = _empty()
     t0 = time.monotonic()
-    assert mgr.restore(state) == 3  # before: botocore's EndpointConnectionError after 6-9 s
+    assert mgr.restore(state) == 3  # not the backend's EndpointConnectionError
     assert time.monotonic() - t0 < 15
     assert_tree_equal(state, _state(3))
     assert mgr.latest_step() == 3
@@ -118,7 +118,7 @@ def test_silent_endpoint_never_blocks_construction_or_restore(tmp_path, s3_serve
     proxy.set_mode("silent")
     t0 = time.monotonic()
     mgr = _manager(tmp_path / "local", url, opts, remote_timeout_s=2.0, upload_deadline_s=4.0)
-    assert time.monotonic() - t0 < 2, "construction waited for a silent remote"  # before: > 900 s
+    assert time.monotonic() - t0 < 2, "construction waited for a silent remote"
     state = _empty()
     assert mgr.restore(state) == 1
     assert time.monotonic() - t0 < 15
@@ -164,7 +164,7 @@ def test_a_missing_bucket_is_never_created(tmp_path, s3_server, s3_admin) -> Non
         with pytest.raises(UploadError, match=bucket):
             mgr.wait()
     s3_admin.invalidate_cache()
-    assert not s3_admin.exists(bucket), "a mistyped bucket name created a bucket"  # before: s3fs created it
+    assert not s3_admin.exists(bucket), "a mistyped bucket name created a bucket"
     with _manager(tmp_path / "local2", f"s3://{bucket}/run", opts, create_bucket=True) as mgr:
         assert mgr.save(1, _state(1)).uploaded.result(timeout=30) is not None
     assert s3_admin.exists(bucket)

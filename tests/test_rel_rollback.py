@@ -47,7 +47,7 @@ def test_rollback_is_refused_until_made_explicit_then_sticks(tmp_path: Path, rem
     with CheckpointManager(root, keep_local=2, **kw) as mgr:
         state = _empty()
         assert mgr.restore(state, step=20) == 20
-        with pytest.raises(RollbackError) as ei:  # before: saved, and a restart then restored step 30
+        with pytest.raises(RollbackError) as ei:  # a restart would restore step 30
             mgr.save(21, _state(21))
         msg = str(ei.value)
         assert "step 21" in msg and "30" in msg and "rollback_to" in msg
@@ -109,7 +109,7 @@ def read_only_dir(tmp_path: Path):
 
 
 def test_read_only_local_folder_is_a_clear_error(read_only_dir: Path) -> None:
-    with pytest.raises(CheckpointError) as ei:  # before: a bare PermissionError/OSError from the lock file
+    with pytest.raises(CheckpointError) as ei:  # not a bare OSError from the lock file
         CheckpointManager(read_only_dir)
     err = ei.value
     assert isinstance(err, StorageAccessError) and isinstance(err, PermissionError)

@@ -183,6 +183,22 @@ def test_stall_beyond_deadline_fails_within_deadline(make_store, local):
     assert list_steps(inner).get(11) != "committed"
 
 
+@pytest.mark.parametrize("op", ["read_bytes", "write_bytes"])
+def test_a_silent_remote_fails_the_step_within_stall_s(make_store, local, op):
+    """A request that never answers (the manifest read, the manifest write): the step fails once nothing has
+    moved for stall_s, long before the step's deadline or the backend's own timeouts."""
+    write_step(local, build_step(14))
+    inner = make_store("memory")
+    gate = threading.Event()
+    remote = FaultyStore(inner, stall={op: 1.0}, sleep=lambda _s: gate.wait(30))
+    t0 = time.monotonic()
+    with pytest.raises(UploadError, match="no progress for 0.5 s"):
+        replicate_step(local, remote, 14, retry=FAST, deadline_s=60, stall_s=0.5)
+    assert time.monotonic() - t0 < 3.0
+    gate.set()
+    assert list_steps(inner).get(14) != "committed" or op == "write_bytes"
+
+
 def test_stall_while_committing_never_deletes_data(make_store, local):
     built = build_step(12)
     write_step(local, built)

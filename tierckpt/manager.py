@@ -462,7 +462,8 @@ class CheckpointManager:
         opts = dict(threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
                     compression=self.options.remote_compression, verify=self.options.verify_uploads,
                     deadline_s=self.options.upload_deadline_s, bucket=self._bucket,
-                    retry=RetryPolicy(window_s=self.options.remote_timeout_s))
+                    retry=RetryPolicy(window_s=self.options.remote_timeout_s),
+                    stall_s=self.options.remote_timeout_s)  # a silent remote fails the step in that time
         if self._coord is None:
             uploader.replicate_step(self.local, self.remote, step, **opts)
         else:

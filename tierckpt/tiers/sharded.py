@@ -116,7 +116,8 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
     deadline_s = opts.get("deadline_s")
     ctx = _Ctx(step, remote, opts.get("retry") or RetryPolicy(),
                None if deadline_s is None else time.monotonic() + deadline_s, opts.get("cancel"),
-               opts.get("bucket") or (TokenBucket(bw, burst=min(part_size, bw)) if bw else None), opts.get("progress"))
+               opts.get("bucket") or (TokenBucket(bw, burst=min(part_size, bw)) if bw else None), opts.get("progress"),
+               opts.get("stall_s"))
     _manifest, rms = read_manifests(local, step, ranks=[rank])
     if not rms:
         raise CheckpointNotFoundError(f"rank {rank} has no shard of this step locally", step=step, tier=local.tier)
@@ -132,6 +133,7 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
                                                    opts.get("verify", False)))
                 for i, rec in enumerate(rm.files)]
         results = _run_all(pool, ctx, jobs)
+        ctx.sent()
         records = tuple(r[0] for r in results)
         new = dataclasses.replace(rm, files=records) if records != rm.files else rm
         raw = new.to_bytes() if new is not rm else local.read_bytes(

@@ -116,8 +116,13 @@ class _Ctx:
 
     def __init__(self, step: int, remote: Store, retry: RetryPolicy, deadline: float | None,
                  cancel: threading.Event | None, bucket: TokenBucket | None,
-                 progress: Callable[[int], Any] | None) -> None:
+                 progress: Callable[[int], Any] | None, stall_s: float | None = None) -> None:
         self.step = step
+        #: the step fails once nothing moved (no request ended well) for this long, except while data files are
+        #: being sent: there a slow link moves nothing visible for as long as the parts in flight take
+        self.stall_s = stall_s
+        self.moved_at = time.monotonic()
+        self.sending = False
         self.remote = remote
         self.retry = retry
         self.deadline = deadline
@@ -134,9 +139,22 @@ class _Ctx:
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise DeadlineExceeded(f"step {self.step}: deadline reached")
 
+    def moved(self) -> None:
+        """Something of the step got through: a request succeeded, a chunk was handed to the store."""
+        self.moved_at = time.monotonic()
+
+    def stalled(self) -> bool:
+        return self.stall_s is not None and not self.sending and time.monotonic() - self.moved_at > self.stall_s
+
+    def sent(self) -> None:
+        """The data stage is over: requests are watched for a stall again."""
+        self.sending = False
+        self.moved()
+
     def throttle(self, n: int) -> None:
         if self.bucket is not None and n:
             self.bucket.consume(n, self.stop)
+            self.moved()  # waiting for the cap is not a stall
 
     def call(self, fn: Callable[[], Any], what: str, rel: str) -> Any:
         """``fn`` with retries on transient errors, each retry logged with step, tier and URL."""
@@ -149,7 +167,9 @@ class _Ctx:
 
         def attempt() -> Any:
             self.check()
-            return fn()
+            out = fn()
+            self.moved()
+            return out
 
         return self.retry.call(attempt, what=f"step {self.step}: {what} {_url(self.remote, rel)}",
                                deadline=self.deadline, cancel=self.stop, on_retry=on_retry)
@@ -198,6 +218,9 @@ def _run_all(pool: ThreadPoolExecutor, ctx: _Ctx, jobs: list[tuple[str, Callable
                 raise _StepFailed(futures[next(iter(pending))], Cancelled(f"step {ctx.step}: cancelled"))
             if ctx.deadline is not None and time.monotonic() >= ctx.deadline:
                 raise _StepFailed(futures[next(iter(pending))], DeadlineExceeded(f"step {ctx.step}: deadline reached"))
+            if ctx.stalled():  # a silent endpoint: its requests would wait out the backend's timeouts and retries
+                raise _StepFailed(futures[next(iter(pending))], DeadlineExceeded(
+                    f"step {ctx.step}: no progress for {ctx.stall_s:g} s (the remote is silent or stalled)"))
     return [f.result() for f in order]
 
 
@@ -253,6 +276,7 @@ def _upload_file(local: Store, remote: Store, ctx: _Ctx, rm: RankManifest, index
             out = cobj.compress(data) if cobj is not None else data
             if out:
                 ctx.throttle(len(out))
+                ctx.sending = True
                 w.write(out)
                 written += len(out)
                 faults.point("mid-upload")
@@ -331,6 +355,7 @@ def replicate_step(
     progress: Callable[[int], Any] | None = None,
     cancel: threading.Event | None = None,
     bucket: TokenBucket | None = None,
+    stall_s: float | None = None,
 ) -> ReplicationResult:
     """Copy committed step ``step`` from ``local`` to ``remote`` and commit it there (see the module docstring).
 
@@ -339,7 +364,9 @@ def replicate_step(
     other steps, such as a manager's, replaces it: a new cap per step would let every step burst); ``compression`` is None or
     ``"zstd"``; ``verify`` re-reads and hashes every uploaded file; ``retry`` applies per file and per manifest;
     ``deadline_s`` bounds the whole step; ``progress(n)`` is called with the bytes read from the local tier as they
-    go (resent bytes count again); setting ``cancel`` stops the step within a chunk's time.
+    go (resent bytes count again); setting ``cancel`` stops the step within a chunk's time; ``stall_s`` fails the
+    step once nothing has moved for that long (no request succeeded, no chunk was handed over), even while a
+    request still waits for a silent endpoint.
 
     Raises :class:`CheckpointNotFoundError` / :class:`CorruptCheckpointError` for a missing / damaged local step,
     :class:`UploadError` (step, file and URL in its message; the cause chained) when it cannot be replicated.
@@ -353,7 +380,7 @@ def replicate_step(
     deadline = t0 + deadline_s if deadline_s is not None else None
     if bucket is None and bandwidth_bytes_per_s:
         bucket = TokenBucket(bandwidth_bytes_per_s, burst=min(part_size, bandwidth_bytes_per_s))
-    ctx = _Ctx(step, remote, retry, deadline, cancel, bucket, progress)
+    ctx = _Ctx(step, remote, retry, deadline, cancel, bucket, progress, stall_s)
     folder = layout.step_dir(step)
 
     manifest, raw_step, ranks = _read_local_step(local, step)
@@ -385,6 +412,7 @@ def replicate_step(
                     jobs.append((rel, _file_job(local, remote, ctx, rm, i, staging, rel, part_size, compression,
                                                 compression_level, verify)))
             results = _run_all(pool, ctx, jobs)
+            ctx.sent()
 
             # rank manifests: unchanged bytes unless a file's stored form changed
             pos = 0
@@ -492,7 +520,7 @@ def _fail(ctx: _Ctx, protocol: Any, local: Store, remote: Store, staging: str | 
     if isinstance(exc, Cancelled):
         why = "cancelled"
     elif isinstance(exc, DeadlineExceeded):
-        why = "deadline passed"
+        why = f"deadline passed: {exc}"
     else:
         why = f"{type(exc).__name__}: {exc}" + ("" if is_transient(exc) else " (not retried)")
     url = _url(remote, rel)
