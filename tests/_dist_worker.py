@@ -448,9 +448,95 @@ def scenario_outage2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
     dist.barrier()
 
 
+def scenario_rcommit1(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """Step 1 uploaded and committed remotely; rank 0 is SIGKILLed in the middle of step 2's remote commit (every
+    shard reported, ``manifest.json`` not written: TIERCKPT_FAULT=remote-commit:2 on rank 0). Rank 1 records what
+    its handle and wait() say and what the remote holds, then exits without further collectives."""
+    from tierckpt import CheckpointManager, faults
+    from tierckpt.tiers.verify import list_root
+
+    root = Path(cfg["root"])
+    T = cfg["timeout"]
+    mgr = CheckpointManager(root / f"k{rank}", remote=root / "kremote", collective_timeout_s=T, upload_deadline_s=5)
+    if rank == 0:
+        os.environ["TIERCKPT_FAULT"] = "remote-commit:2"
+        faults._target = faults._parse(os.environ["TIERCKPT_FAULT"])
+        faults._hits = 0
+    rec.phase("first", lambda: save_steps(mgr, rank, [1]))
+    h = mgr.save(2, make_state(rank, 2))
+    h.persisted.result(timeout=60)
+    up = h.uploaded.exception(timeout=60)
+    rec.put("second", {"upload_error": None if up is None else err(up), "wait_error": wait_result(mgr),
+                       "remote": sorted(list_root(mgr.remote).steps), "health": mgr.health().to_dict()})
+    rec.put("done", True)
+    os._exit(0)  # the peer is gone: tearing the process group down could wait on it
+
+
+def scenario_rcommit2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """Both ranks restarted after rank 0 died mid-commit: step 2 is uploaded again and committed."""
+    from tierckpt import CheckpointManager
+    from tierckpt.tiers.verify import list_root
+
+    root = Path(cfg["root"])
+    T = cfg["timeout"]
+
+    def restart():
+        with CheckpointManager(root / f"k{rank}", remote=root / "kremote", collective_timeout_s=T) as mgr:
+            before = sorted(list_root(mgr.remote).steps)
+            werr = wait_result(mgr)
+            out = {"remote_at_start": before, "wait_error": werr, "remote": sorted(list_root(mgr.remote).steps)}
+        with CheckpointManager(root / f"k{rank}", remote=root / "kremote", collective_timeout_s=T) as mgr:
+            out["restore"] = restore_into_empty(mgr, rank, source="remote")
+        return out
+
+    rec.phase("restart", restart)
+    dist.barrier()
+
+
+def scenario_count2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """Three saves to a POSIX remote wrapped to record every read of a ``manifest.json``: while the ranks upload
+    and rank 0 commits, no other rank reads one (they learn of the commit through the c10d store)."""
+    from tierckpt import CheckpointManager
+    from tierckpt.storage.faulty import FaultyStore
+    from tierckpt.tiers.verify import list_root
+
+    root = Path(cfg["root"])
+    T = cfg["timeout"]
+
+    class Recording(FaultyStore):
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner)
+            self.manifest_reads: list[str] = []
+
+        def read_bytes(self, rel: str, *, max_size: int) -> bytes:
+            if rel.endswith("manifest.json") and not rel.rsplit("/", 1)[-1].startswith("r"):
+                self.manifest_reads.append(rel)
+            return super().read_bytes(rel, max_size=max_size)
+
+        def exists(self, rel: str) -> bool:
+            if rel.endswith("manifest.json"):
+                self.manifest_reads.append(rel)
+            return super().exists(rel)
+
+    def count():
+        mgr = CheckpointManager(root / f"c{rank}", remote=root / "cremote", collective_timeout_s=T)
+        real = mgr.remote
+        recording = Recording(real)
+        mgr.remote = recording
+        saved = save_steps(mgr, rank, [1, 2, 3])
+        out = {**saved, "manifest_reads": list(recording.manifest_reads),
+               "remote": sorted(list_root(real).steps)}
+        mgr.close()
+        return out
+
+    rec.phase("count", count)
+    dist.barrier()
+
+
 SCENARIOS = {
     "posix2": scenario_posix2, "world4": scenario_world4, "s3": scenario_s3, "kill1": scenario_kill1,
-    "kill2": scenario_kill2, "outage2": scenario_outage2,
+    "kill2": scenario_kill2, "outage2": scenario_outage2, "count2": scenario_count2,
+    "rcommit1": scenario_rcommit1, "rcommit2": scenario_rcommit2,
 }
 
 

@@ -366,3 +366,28 @@ def test_remote_outage_bounds_every_nodes_local_tier_and_ranks_upload_the_same_s
         assert rec["uploaded9"] and rec["remote_after"] == [8, 9] and rec["local_after"] == [8, 9], (r, rec)
     assert recs[0]["during"] == recs[1]["during"], recs
     assert recs[0]["outcomes"] == recs[1]["outcomes"], recs
+
+
+def test_no_rank_but_0_reads_a_manifest_while_a_remote_commit_is_in_progress(tmp_path: Path) -> None:
+    """The ranks learn of a remote commit through the job's c10d store, not by polling ``manifest.json``."""
+    run = launch("count2", 2, tmp_path)
+    recs = [run.phase(r, "count") for r in (0, 1)]
+    for rec in recs:
+        assert "phase_error" not in rec, rec
+        assert rec["wait_error"] is None and rec["remote"] == [1, 2, 3], rec
+    assert recs[1]["manifest_reads"] == [], recs[1]["manifest_reads"]  # polling read it 10-15 times a second
+
+
+def test_rank0_killed_mid_remote_commit_no_rank_treats_the_step_as_committed(tmp_path: Path) -> None:
+    first = launch("rcommit1", 2, tmp_path, expect_ok=False, timeout=120)
+    assert first.returncodes[0] == -signal.SIGKILL, first.returncodes
+    rec = first.phase(1, "second")
+    assert rec["upload_error"] is not None and rec["upload_error"]["type"] == "UploadError", rec
+    assert "rank 0" in rec["upload_error"]["msg"], rec
+    assert rec["remote"] == [1], rec  # step 2's shards are there, its manifest.json is not
+    assert not rec["health"]["ok"] and rec["health"]["remote_step"] == 1, rec
+    second = launch("rcommit2", 2, tmp_path, timeout=120)
+    for r in (0, 1):
+        out = second.phase(r, "restart")
+        assert out["remote_at_start"] == [1] and out["wait_error"] is None and out["remote"] == [1, 2], out
+        assert out["restore"]["restored"] == 2 and out["restore"]["state"] == expected(r, 2), out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -279,6 +280,13 @@ class _LeaderChannel:
 
     def receive(self, seq: int, timeout_s: float) -> None:  # pragma: no cover - rank 0 never receives
         raise AssertionError("the leader receives no decision")
+
+    def post(self, name: str, value: dict[str, Any]) -> None:
+        self.coord.calls.append(("upload-message", (name, value)))
+
+    def fetch(self, names: list[str], timeout_s: float | None, *, readers: int) -> dict[str, Any]:
+        time.sleep(min(timeout_s or 0.0, 1.0))  # rank 1 never reports: the wait runs out
+        return {}
 
 
 def ok_peer(step_sid: Callable[[int], str] | None = None) -> Callable[[str, Any], Any]:

@@ -102,13 +102,26 @@ def _gather(coord: Any, obj: Any, step: int, what: str, sid: str) -> list[Any]:
         raise CheckpointError(f"step not committed: ranks could not agree ({what}); {who}: {exc}", step=step) from exc
 
 
-def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any]) -> None:
-    """This rank's shard to the remote; rank 0 commits the step there once every shard is in."""
+def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any], *, channel: Any = None,
+           attempt: str | None = None) -> None:
+    """This rank's shard to the remote; rank 0 commits the step there once every shard is in. With a
+    ``channel`` (the job's c10d store) and the leader's decision as ``attempt``, the ranks coordinate through it
+    (:func:`tiers.sharded.replicate_shards`); without, through the remote storage (the polling protocol)."""
     assert mgr.remote is not None and mgr._coord is not None
     rank = mgr._coord.topology.rank
     local_manifest = read_step_manifest(mgr.local, layout.step_dir(step), step)
     if local_manifest is None:
         raise CheckpointNotFoundError("no committed local copy to upload", step=step, tier="local", path=mgr.local.url)
+    if channel is not None and attempt is not None:
+        try:
+            sharded.replicate_shards(mgr.local, mgr.remote, local_manifest, rank, channel=channel, attempt=attempt,
+                                     **opts)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise UploadError(f"rank {rank}: cannot replicate to {mgr.remote.url}: {describe(exc)}", step=step,
+                              tier=mgr.remote.tier, path=mgr.remote.url, transient=is_transient(exc)) from exc
+        return
     try:
         remote_manifest = read_step_manifest(mgr.remote, layout.step_dir(step), step)
     except CorruptCheckpointError:

@@ -108,10 +108,13 @@ class Coordinator:
 
 
 class StoreChannel:
-    """Rank 0's replication decisions, shared through the job's c10d store (the TCPStore or FileStore the default
-    process group was created with): one key per decision, ``tierckpt/<run id>/upload/<n>``, set by rank 0 and
-    read by every other rank in order; the last reader deletes it, so the store holds only decisions not yet read
-    by everyone. Not a collective: a rank that is busy uploading reads the next decision when it is done."""
+    """Rank 0's replication decisions, and the messages of each multi-rank upload, shared through the job's c10d
+    store (the TCPStore or FileStore the default process group was created with): one key per message under
+    ``tierckpt/<run id>/upload/``, set by one rank and read by a known number of others, the last of which deletes
+    it, so the store holds only messages not yet read by everyone. Decisions are numbered ``<n>`` and read by every
+    rank but 0 in order; an upload's messages are ``a<n>/go`` and ``a<n>/result`` (rank 0 to all) and
+    ``a<n>/r<rank>`` (each rank's report to rank 0; :func:`tierckpt.tiers.sharded.replicate_shards`). Not a
+    collective: a rank busy uploading reads the next decision when it is done."""
 
     def __init__(self, run_id: str, rank: int, world_size: int) -> None:
         self.leader = rank == 0
@@ -124,19 +127,36 @@ class StoreChannel:
                                   f"group's store: {exc}") from exc
 
     def publish(self, seq: int, decision: dict[str, Any]) -> None:
-        self._store.set(f"{self._prefix}{seq}", json.dumps(decision))
+        self.post(str(seq), decision)
 
     def receive(self, seq: int, timeout_s: float) -> dict[str, Any] | None:
-        key = f"{self._prefix}{seq}"
+        return self.fetch([str(seq)], timeout_s, readers=self._followers).get(str(seq))
+
+    def post(self, name: str, value: dict[str, Any]) -> None:
+        """Set ``name`` (under this run's prefix) to ``value``, as JSON."""
+        self._store.set(self._prefix + name, json.dumps(value))
+
+    def fetch(self, names: list[str], timeout_s: float | None, *, readers: int) -> dict[str, dict[str, Any]]:
+        """The values of ``names`` once every one is set, or of those set when ``timeout_s`` ran out (None: the
+        store's own timeout). Each of the ``readers`` ranks that fetch a name counts itself; the last removes it."""
+        keys = [self._prefix + n for n in names]
         try:
-            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
-        except Exception:  # not there yet (the store's timeout error); the caller asks again
-            return None
-        decision = json.loads(self._store.get(key))
-        try:
-            if self._store.add(f"{key}/read", 1) >= self._followers:
-                self._store.delete_key(key)
-                self._store.delete_key(f"{key}/read")
-        except Exception as exc:  # a store without delete_key keeps a few bytes per decision
-            log.debug("cannot remove the read replication decision %s: %s", key, exc)
-        return decision
+            if timeout_s is None:
+                self._store.wait(keys)
+            else:
+                self._store.wait(keys, datetime.timedelta(seconds=max(0.001, timeout_s)))
+            there = keys
+        except Exception:  # the store's timeout error: some are not set yet
+            there = [k for k in keys if self._store.check([k])]
+        out = {}
+        for name, key in zip(names, keys):
+            if key not in there:
+                continue
+            out[name] = json.loads(self._store.get(key))
+            try:
+                if self._store.add(f"{key}/read", 1) >= readers:
+                    self._store.delete_key(key)
+                    self._store.delete_key(f"{key}/read")
+            except Exception as exc:  # a store without delete_key keeps a few bytes per message
+                log.debug("cannot remove the read message %s: %s", key, exc)
+        return out

@@ -2,7 +2,8 @@
 
 ``TIERCKPT_FAULT=<point>[:<n>]`` in the environment makes the process SIGKILL itself the n-th time (default 1st) it
 reaches ``point``. Points: ``staging``, ``mid-file``, ``before-fsync``, ``after-fsync``, ``before-manifest``,
-``after-manifest``, ``before-rename``, ``after-rename``, ``mid-upload``, ``before-remote-manifest``, ``retention``.
+``after-manifest``, ``before-rename``, ``after-rename``, ``mid-upload``, ``before-remote-manifest``,
+``remote-commit`` (rank 0 of a multi-rank job, every shard reported, before ``manifest.json``), ``retention``.
 Unset (the normal case) it costs one dictionary lookup per point.
 """
 
@@ -14,7 +15,7 @@ import threading
 
 POINTS = (
     "staging", "mid-file", "before-fsync", "after-fsync", "before-manifest", "after-manifest", "before-rename",
-    "after-rename", "mid-upload", "before-remote-manifest", "retention",
+    "after-rename", "mid-upload", "before-remote-manifest", "remote-commit", "retention",
 )
 
 

@@ -235,6 +235,7 @@ class CheckpointManager:
         self._bucket = None if self.options.upload_bandwidth_mbps is None else uploader.TokenBucket(
             self.options.upload_bandwidth_mbps * 1e6, burst=self.options.upload_bandwidth_mbps * 1e5)
         self._replicator: Replicator | None = None
+        self._channel = None  # a multi-rank job's messages between the replicators (the c10d store)
         if self.remote is not None:
             self._start_replication(local_steps)
 
@@ -242,12 +243,12 @@ class CheckpointManager:
         """Build and start the replication component for ``self.remote``; ``resume``: committed local steps."""
         assert self.remote is not None
         leader = self._coord is None or self._coord.topology.is_node_leader
+        self._channel = None if self._coord is None else self._coord.upload_channel()
         self._replicator = Replicator(
             self.local, self.remote, policy=self._retention, upload=self._upload, resume=resume,
             on_done=self._write_record, track=self._track,
             remote_retention=self._coord is None or self._coord.topology.rank == 0, local_retention=leader,
-            channel=None if self._coord is None else self._coord.upload_channel(),
-            list_deadline_s=self.options.remote_timeout_s)
+            channel=self._channel, list_deadline_s=self.options.remote_timeout_s)
         self._replicator.start()
 
     @property
@@ -456,8 +457,9 @@ class CheckpointManager:
             self._track(self._replicator.submit(step, handle))
 
     # ------------------------------------------------------------------------------------------------ remote
-    def _upload(self, step: int) -> None:
-        """Replicate committed local step ``step`` (the replicator's thread); raises on failure."""
+    def _upload(self, step: int, attempt: str | None = None) -> None:
+        """Replicate committed local step ``step`` (the replicator's thread; ``attempt``: the multi-rank upload's
+        name, the same on every rank); raises on failure."""
         assert self.remote is not None
         opts = dict(threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
                     compression=self.options.remote_compression, verify=self.options.verify_uploads,
@@ -467,7 +469,7 @@ class CheckpointManager:
         if self._coord is None:
             uploader.replicate_step(self.local, self.remote, step, **opts)
         else:
-            _sharded.upload(self, step, opts)
+            _sharded.upload(self, step, opts, channel=self._channel, attempt=attempt)
 
     def _apply_local_retention(self) -> None:
         """Local retention without a remote tier: the newest ``keep_local`` steps stay (the node's leader decides

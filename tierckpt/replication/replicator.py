@@ -95,7 +95,8 @@ class _Waiter:
 
 
 class Replicator:
-    """See the module docstring. ``upload(step)`` replicates one committed local step (raises on failure);
+    """See the module docstring. ``upload(step)`` replicates one committed local step (raises on failure; in a
+    multi-rank job it is called as ``upload(step, attempt=name)``, the same name on every rank);
     ``resume`` are the committed local steps found at start-up (uploaded if the remote lacks them and still wants
     them); ``on_done(handle)`` is called once a handle's upload is resolved (the manager writes its record);
     ``track(future)`` is handed the future of each upload the component starts by itself (resumed steps, and failed
@@ -304,21 +305,24 @@ class Replicator:
     def _round(self, due: set[int]) -> None:
         """One decision of the leader (or of a single-process job's replicator), carried out."""
         step, dropped, deletes = self._decide(due)
+        seq = None
         if self._channel is not None:
-            self._publish({"step": step, "drop": [[s, why] for s, _w, why in dropped], "delete": deletes})
+            seq = self._publish({"step": step, "drop": [[s, why] for s, _w, why in dropped], "delete": deletes})
         for s, waiters, why in dropped:
             self._resolve(s, waiters, skipped=why)
         self._delete_local(deletes)
         if step is not None:
-            self._attempt(step)
+            self._attempt(step, seq)
 
-    def _publish(self, decision: dict[str, Any]) -> None:
+    def _publish(self, decision: dict[str, Any]) -> int:
+        """Leader: publish ``decision``; returns its number."""
         assert self._channel is not None
         with self._cond:
             seq, self._seq = self._seq, self._seq + 1
             remote = self._remote_steps
         decision["remote_newest"] = max(remote) if remote else None
         self._channel.publish(seq, decision)
+        return seq
 
     def _follow(self) -> None:
         """A follower's thread: apply the leader's decisions in order until the component closes."""
@@ -334,11 +338,11 @@ class Replicator:
             with self._cond:
                 self._seq += 1
             try:
-                self._apply(decision)
+                self._apply(decision, seq)
             except Exception as exc:  # a bug: logged, and the next decision is applied
                 log.exception("tier remote: applying replication decision %d failed: %s", seq, exc)
 
-    def _apply(self, d: dict[str, Any]) -> None:
+    def _apply(self, d: dict[str, Any], seq: int) -> None:
         """A follower applies one decision of the leader (see :meth:`_run` and :meth:`_sort_resumed`)."""
         if "resumed_done" in d:  # the start-up decision: what the remote holds, which resumed steps are done
             remote = None if d.get("remote") is None else set(d["remote"])
@@ -366,7 +370,7 @@ class Replicator:
             self._resolve(s, waiters, skipped=why)
         self._delete_local([(s, why) for s, why in d.get("delete", [])])
         if d.get("step") is not None:
-            self._attempt(d["step"])
+            self._attempt(d["step"], seq)
         self._trim_outcomes()
 
     def _trim_outcomes(self, keep: int = 1024) -> None:
@@ -474,12 +478,17 @@ class Replicator:
                 self._retry_at.pop(plan.next, None)
         return plan.next, dropped, deletes
 
-    def _attempt(self, step: int) -> None:
+    def _attempt(self, step: int, seq: int | None = None) -> None:
+        """Upload ``step`` (``seq``: the leader's decision it carries out, which names the attempt for every
+        rank of a multi-rank job)."""
         with self._cond:
             waiters = self._waiting.pop(step, [])
             self._current = step
         try:
-            self._upload(step)
+            if seq is None:
+                self._upload(step)
+            else:
+                self._upload(step, attempt=f"a{seq}")
         except BaseException as exc:
             with self._cond:
                 self._current = None

@@ -85,6 +85,17 @@ class Store(abc.ABC):
     def list(self, rel: str = "") -> list[str]:
         """Names directly inside folder ``rel`` (empty list if it does not exist)."""
 
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """The files directly inside folder ``rel`` with their sizes (empty if it does not exist). Object stores
+        answer from one listing (paginated by the backend) instead of a request per file."""
+        out = {}
+        for name in self.list(rel):
+            try:
+                out[name] = self.size(join(rel, name))
+            except (FileNotFoundError, IsADirectoryError):
+                continue
+        return out
+
     @abc.abstractmethod
     def exists(self, rel: str) -> bool: ...
 

@@ -196,6 +196,10 @@ class FaultyStore(Store):
         self.plan.hit("list")
         return self.inner.list(rel)
 
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        self.plan.hit("list")
+        return self.inner.sizes(rel)
+
     def exists(self, rel: str) -> bool:
         self.plan.hit("exists")
         return self.inner.exists(rel)

@@ -332,6 +332,17 @@ class FsspecStore(Store):
             names.add(name.rsplit("/", 1)[-1])
         return sorted(names)
 
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        p = self._p(rel)
+        try:
+            with self._guard("list", rel):
+                entries = self.fs.ls(p, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in entries
+                if isinstance(e, dict) and e.get("type") != "directory" and e.get("size") is not None
+                and e["name"].rstrip("/").lstrip("/") != p.lstrip("/")}
+
     def exists(self, rel: str) -> bool:
         with self._guard("exists", rel):
             return bool(self.fs.exists(self._p(rel)))

@@ -10,11 +10,17 @@ Local tier (node-local; the ranks of one node share one folder), for each rank:
    listing every rank of the job and, in ``holds_ranks``, the ranks whose shards this node holds;
 5. the leader removes files of older saves of step N from the folder (names carry the save id, which all ranks share).
 
-Remote tier (shared by all ranks), for each rank: upload its data files and its rank manifest into ``step-<N>/``.
-Rank 0 then waits until every rank manifest is there, reads each (its exact bytes give the size and checksum that
-the step manifest records; a rank manifest re-sealed by compression differs from the local one), and writes
-``manifest.json`` last; the other ranks wait for it to appear. Coordination on the remote goes through the storage
-only: no collective runs in an upload thread.
+Remote tier (shared by all ranks), one attempt of one step (:func:`replicate_shards`, every rank at once):
+
+1. rank 0 reads the remote ``manifest.json``: if it holds this save already, every rank skips the step;
+2. each rank uploads its data files and its rank manifest into ``step-<N>/`` and reports the rank manifest's name,
+   size and checksum (of the bytes written: a rank manifest re-sealed by compression differs from the local one);
+3. rank 0 collects the reports, confirms them with one listing of ``step-<N>/`` (names and sizes), writes
+   ``manifest.json`` last and tells every rank whether the step is committed.
+
+Steps 1-3 talk through a :class:`CommitChannel` (the job's c10d store), never through the remote: no rank polls
+storage for another's progress, and rank 0 reads no rank manifest back. The older protocol of polling the remote
+(:func:`commit_remote`, :func:`wait_remote_commit`) stays for a job without a channel.
 
 A step folder without ``manifest.json`` is never a checkpoint, whatever shards it holds.
 """
@@ -25,7 +31,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Protocol
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UploadError
@@ -106,8 +112,9 @@ def _rank_of(name: str) -> int | None:
     return None
 
 
-def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> None:
-    """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job)."""
+def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> RankRef:
+    """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job);
+    returns the reference to the rank manifest written (its name, size and checksum)."""
     from .uploader import TokenBucket, _bytes_job, _Ctx, _file_job, _run_all, _StepFailed
 
     threads = opts.get("threads", 4)
@@ -141,6 +148,7 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
         rel = join(folder, layout.rank_manifest_name(rank, rm.save_id))
         faults.point("before-remote-manifest")
         _run_all(pool, ctx, [(rel, _bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False)))])
+        return RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex())
     except _StepFailed as failed:
         raise UploadError(f"rank {rank}: cannot upload its shard: {failed.exc}", step=step, tier=remote.tier,
                           path=f"{remote.url}/{failed.rel}") from failed.exc
@@ -194,6 +202,114 @@ def wait_remote_commit(remote: Store, step: int, save_id: str, *, deadline_s: fl
             raise UploadError("rank 0 did not commit the step on the remote in time", step=step, tier=remote.tier,
                               path=f"{remote.url}/{folder}")
         time.sleep(POLL_S)
+
+
+class CommitChannel(Protocol):
+    """Messages of one multi-rank upload attempt between its ranks (:class:`tierckpt.distributed.StoreChannel`):
+    small JSON-able dicts posted under a name and fetched by name, each by a known number of readers."""
+
+    def post(self, name: str, value: dict[str, Any]) -> None:
+        """Make ``value`` readable under ``name``."""
+
+    def fetch(self, names: list[str], timeout_s: float | None, *, readers: int) -> dict[str, dict[str, Any]]:
+        """The values posted under ``names`` once all are there, or those there when ``timeout_s`` ran out;
+        ``readers``: how many ranks fetch each name (the last one removes it)."""
+
+
+def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: int, *, channel: CommitChannel,
+                     attempt: str, deadline_s: float | None, **opts: Any) -> bool:
+    """One attempt (``attempt``: a name unique to it) at replicating multi-rank step ``manifest`` (the local step
+    manifest), run by every rank at once; see the module docstring. Returns False if rank 0 found the step already
+    committed remotely (nothing uploaded), True once it is committed. Raises :class:`UploadError` on every rank
+    when any rank's shard or the commit failed, or the ranks did not all report within ``deadline_s``."""
+    step, world = manifest.step, manifest.world_size
+    folder = layout.step_dir(step)
+    followers = world - 1
+    retry: RetryPolicy = opts.get("retry") or RetryPolicy()
+
+    def failed(msg: str) -> UploadError:
+        return UploadError(msg, step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+
+    def result() -> dict[str, Any]:
+        got = channel.fetch([f"{attempt}/result"], deadline_s, readers=followers).get(f"{attempt}/result")
+        return {"ok": False, "error": "rank 0 did not commit the step on the remote in time"} if got is None else got
+
+    if rank == 0:
+        try:
+            there = retry.call(lambda: _committed_manifest(remote, folder, step), what=f"read {remote.url}/{folder}")
+        except Exception as exc:
+            channel.post(f"{attempt}/go", {"error": f"rank 0: {exc}"})
+            raise
+        skip = there is not None and there.save_id == manifest.save_id
+        channel.post(f"{attempt}/go", {"skip": skip})
+        if skip:
+            return False
+    else:
+        go = channel.fetch([f"{attempt}/go"], deadline_s, readers=followers).get(f"{attempt}/go")
+        if go is None:
+            raise failed("rank 0 did not start the upload in time; the step is not committed remotely")
+        if "error" in go:
+            raise failed(f"the step is not uploaded: {go['error']}")
+        if go["skip"]:
+            return False
+    try:
+        ref = upload_shard(local, remote, step, rank, deadline_s=deadline_s, **opts)
+    except Exception as exc:
+        if rank == 0:
+            channel.post(f"{attempt}/result", {"ok": False, "error": f"rank 0: {exc}"})
+        else:
+            channel.post(f"{attempt}/r{rank}", {"error": str(exc)})
+            result()  # in step with the others (and the message read by everyone)
+        raise
+    if rank != 0:
+        channel.post(f"{attempt}/r{rank}", {"ref": [ref.rank, ref.name, ref.size, ref.checksum]})
+        outcome = result()
+        if not outcome["ok"]:
+            raise failed(f"the step is not committed remotely: {outcome['error']}")
+        return True
+    try:
+        final = _commit_reported(remote, manifest, ref, channel, attempt, deadline_s, retry)
+    except Exception as exc:
+        channel.post(f"{attempt}/result", {"ok": False, "error": str(exc)})
+        raise
+    channel.post(f"{attempt}/result", {"ok": True})
+    log.info("step %d, tier %s: committed %d ranks' shards at %s", step, remote.tier, len(final.ranks),
+             f"{remote.url}/{folder}")
+    return True
+
+
+def _committed_manifest(remote: Store, folder: str, step: int) -> StepManifest | None:
+    try:
+        return read_step_manifest(remote, folder, step)
+    except CorruptCheckpointError:
+        return None  # replaced by this upload
+
+
+def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, channel: CommitChannel, attempt: str,
+                     deadline_s: float | None, retry: RetryPolicy) -> StepManifest:
+    """Rank 0: every rank's reported reference, confirmed by one listing of the step folder, then the commit."""
+    step, folder = manifest.step, layout.step_dir(manifest.step)
+    names = [f"{attempt}/r{r.rank}" for r in manifest.ranks if r.rank != 0]
+    reports = channel.fetch(names, deadline_s, readers=1)
+    missing = sorted(r.rank for r in manifest.ranks if r.rank != 0 and f"{attempt}/r{r.rank}" not in reports)
+    if missing:
+        raise UploadError(f"ranks {missing} did not upload their shards in time; the step is not committed remotely",
+                          step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+    errors = {int(n.rsplit("/r", 1)[1]): v["error"] for n, v in reports.items() if "error" in v}
+    if errors:
+        raise UploadError("rank(s) " + ", ".join(f"{r} ({e})" for r, e in sorted(errors.items()))
+                          + " could not upload their shards; the step is not committed remotely",
+                          step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+    refs = {0: ref0} | {r: RankRef(*reports[f"{attempt}/r{r}"]["ref"]) for r in range(1, manifest.world_size)}
+    listed = retry.call(lambda: remote.sizes(folder), what=f"list {remote.url}/{folder}")
+    wrong = [r for r, ref in refs.items() if listed.get(ref.name) != ref.size]
+    if wrong:
+        raise UploadError(f"the rank manifests of rank(s) {wrong} are not on the remote as reported; the step is not "
+                          "committed remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+    final = dataclasses.replace(manifest, ranks=tuple(refs[r.rank] for r in manifest.ranks), holds_ranks=None)
+    faults.point("remote-commit")
+    retry.call(lambda: commit_step(remote, final), what=f"commit {remote.url}/{folder}")  # throttling retried
+    return final
 
 
 def holds_rank(store: Store, step: int, rank: int) -> bool:
