@@ -42,6 +42,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "tierckpt"
 LOCAL_POINTS = ["staging", "mid-file", "before-fsync", "after-fsync", "before-manifest", "after-manifest",
                 "before-rename", "after-rename", "retention"]
 REMOTE_ONLY = ["mid-upload", "before-remote-manifest"]
+#: rank 0 of a multi-rank job only: killed there by tests/test_dist.py
+MULTI_RANK_ONLY = ["remote-commit"]
 #: hit counts guaranteed to be reached within STEPS saves (retention first runs at step 3: keep_local=2)
 MAX_HIT = {"staging": STEPS, "mid-file": STEPS, "before-fsync": 4 * STEPS, "after-fsync": 4 * STEPS,
            "before-manifest": STEPS, "after-manifest": STEPS, "before-rename": STEPS, "after-rename": STEPS,
@@ -218,7 +220,7 @@ def _named_cases() -> list[tuple[str, int, bool]]:
 
 
 def test_fault_points_are_known() -> None:
-    assert set(LOCAL_POINTS + REMOTE_ONLY) == set(faults.POINTS)
+    assert set(LOCAL_POINTS + REMOTE_ONLY + MULTI_RANK_ONLY) == set(faults.POINTS)
     missing = set(faults.POINTS) - WIRED
     assert not missing, f"fault points not wired into the library: {missing}"
 

@@ -381,7 +381,15 @@ def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManif
         return step_manifests[id(tier)]
 
     manifests: dict[int, tuple[Store, RankManifest]] = {src: (store, own_rm)}
-    for ref in manifest.ranks:
+    own_boxes = {rec.path: (tuple(rec.shard["offset"]), tuple(rec.shape)) for rec in own_rm.tensors
+                 if rec.shard is not None and rec.path in targets}
+    if all(own_boxes.get(path) == target_box(live)[1:] for path, (live, _c, _g) in targets.items()):
+        # the same sharding as when saved (the same world size and placements): this rank's own shards are its
+        # targets, and no other rank's manifest is read (O(1) requests a rank, not O(world size))
+        others: list[Any] = []
+    else:
+        others = list(manifest.ranks)
+    for ref in others:
         if ref.rank in manifests:
             continue
         for tier in tiers:

@@ -25,7 +25,7 @@ from .storage.commit import read_step_manifest
 from .storage.failures import describe
 from .storage.retry import is_transient
 from .tiers import sharded
-from .tiers.listing import TierListings
+from .tiers.listing import TierListings, list_tiers
 from .tiers.writer import RankSnapshot
 
 if TYPE_CHECKING:
@@ -147,9 +147,24 @@ def candidates(mgr: CheckpointManager, tiers: list[Store], listing: TierListings
     out: dict[int, list[Store]] = {}
     for store in tiers:
         for s in sorted(listing.steps.get(store.tier, ())):
-            if sharded.holds_rank(store, s, rank):
+            # a remote step holds every rank's shard (its manifest says so: no request per step and rank)
+            if store.tier != "local" or sharded.holds_rank(store, s, rank):
                 out.setdefault(s, []).append(store)
     return out
+
+
+def list_tiers_shared(mgr: CheckpointManager, tiers: list[Store], *, deadline_s: float | None) -> TierListings:
+    """Each rank lists its node's local tier; rank 0 alone lists the shared tiers (the remote) and hands its
+    listing to every rank in one gather, so a restart lists the remote once, not once per rank."""
+    coord = mgr._coord
+    assert coord is not None
+    mine = list_tiers([t for t in tiers if t.tier == "local"], deadline_s=deadline_s)
+    shared = [t for t in tiers if t.tier != "local"]
+    ours = list_tiers(shared, deadline_s=deadline_s) if shared and coord.topology.rank == 0 else None
+    theirs = coord.gather(ours, coord.main_group)[0] if shared else None
+    if not isinstance(theirs, TierListings):
+        return mine
+    return TierListings({**mine.steps, **theirs.steps}, {**mine.failed, **theirs.failed})
 
 
 def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,

@@ -571,7 +571,10 @@ class CheckpointManager:
         # a save still being written locally is restorable once it commits; uploads are not waited for
         wait_futures(list(self._persisting))
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
-        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
+        if self._coord is None:
+            listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
+        else:
+            listing = _sharded.list_tiers_shared(self, tiers, deadline_s=self.options.remote_timeout_s)
         with _gc.paused():
             if self._coord is not None:
                 return _sharded.restore(self, state, step, tiers, strict=strict, listing=listing,
