@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,39 @@ class _Conn:
         self.users = 1
 
 
-class FaultProxy:
+_E = TypeVar("_E", bound="_Endpoint")
+
+
+class _Endpoint:
+    """What both fault endpoints share: a loopback port, its URL, and use as a context manager."""
+
+    _port: int
+
+    def start(self: _E) -> _E:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _E) -> _E:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        """The listening port (0 until :meth:`start` when the OS chooses it)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``"http://127.0.0.1:<port>"``, the endpoint URL to give clients."""
+        return f"http://{_LOOPBACK}:{self._port}"
+
+
+class FaultProxy(_Endpoint):
     """A TCP forwarder on 127.0.0.1 in front of a loopback ``upstream``, its behaviour switched at run time.
 
     Modes (see :meth:`set_mode`): ``"forward"`` passes bytes both ways; ``"refuse"`` closes the listening
@@ -183,24 +216,7 @@ class FaultProxy:
             log.warning("FaultProxy on port %d: some threads did not finish within %.0f s",
                         self._port, _JOIN_S)
 
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
     # --- public state ---------------------------------------------------------------------------------------
-    @property
-    def port(self) -> int:
-        """The listening port (0 until :meth:`start` when constructed with ``port=0``)."""
-        return self._port
-
-    @property
-    def url(self) -> str:
-        """``"http://127.0.0.1:<port>"``, the endpoint URL to give clients."""
-        return f"http://{_LOOPBACK}:{self._port}"
-
     @property
     def upstream(self) -> tuple[str, int]:
         """The ``(host, port)`` forwarded to."""
@@ -527,7 +543,7 @@ class _DenyingHTTPServer(ThreadingHTTPServer):
         log.debug("DenyingServer: a connection from %s failed", client_address, exc_info=True)
 
 
-class DenyingServer:
+class DenyingServer(_Endpoint):
     """An HTTP server on 127.0.0.1 answering every request with an S3-style error.
 
     GET, HEAD, PUT, POST and DELETE all get, by default, ``403`` and
@@ -587,23 +603,6 @@ class DenyingServer:
             _shutdown(sock, socket.SHUT_RDWR)  # the handler thread then finishes and closes it
         if self._thread is not None:
             self._thread.join(_JOIN_S)
-
-    def __enter__(self) -> DenyingServer:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        """The listening port (0 before :meth:`start`)."""
-        return self._port
-
-    @property
-    def url(self) -> str:
-        """``"http://127.0.0.1:<port>"``."""
-        return f"http://{_LOOPBACK}:{self._port}"
 
     @property
     def requests(self) -> int:
