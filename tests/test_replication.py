@@ -170,3 +170,61 @@ def test_replicator_lists_the_remote_on_its_thread_and_survives_it_being_down(tm
     _wait_for(lambda: fake.order == [1])
     assert "listing refused" in (rep.health().last_error or "")
     rep.close(5)
+
+
+class _Decisions:
+    """An in-process UploadChannel: the leader's decisions in a dict (the c10d store in a real job)."""
+
+    def __init__(self, leader: bool, shared: dict[int, dict] | None = None) -> None:
+        self.leader = leader
+        self.shared: dict[int, dict] = {} if shared is None else shared
+        self.cond = threading.Condition()
+
+    def follower(self) -> _Decisions:
+        other = _Decisions(False, self.shared)
+        other.cond = self.cond
+        return other
+
+    def publish(self, seq: int, decision: dict) -> None:
+        with self.cond:
+            self.shared[seq] = decision
+            self.cond.notify_all()
+
+    def receive(self, seq: int, timeout_s: float) -> dict | None:
+        with self.cond:
+            self.cond.wait_for(lambda: seq in self.shared, timeout_s)
+            return self.shared.get(seq)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["uploaded", "failed"])
+def test_follower_step_committed_while_its_upload_runs_resolves(tmp_path: Path, fails: bool) -> None:
+    """A follower's own commit of a step can come after the leader's decision to upload it, while the follower
+    already uploads its shard: the handle of that late submit() still resolves (it used to wait forever)."""
+    leader_ch = _Decisions(True)
+    follower_ch = leader_ch.follower()
+    llocal, lremote = _stores(tmp_path / "r0", [1])
+    flocal, fremote = _stores(tmp_path / "r1", [1])
+    started, release = threading.Event(), threading.Event()
+
+    def follower_upload(step: int, attempt: str = "") -> None:
+        started.set()
+        assert release.wait(20)
+        if fails:
+            raise UploadError("remote down", step=step, tier="remote", path=fremote.url)
+
+    leader = Replicator(llocal, lremote, policy=ReplicationPolicy(keep_local=2), resume=[],
+                        upload=lambda step, attempt="": None, on_done=lambda h: None, channel=leader_ch,
+                        list_deadline_s=2)
+    follower = Replicator(flocal, fremote, policy=ReplicationPolicy(keep_local=2), resume=[],
+                          upload=follower_upload, on_done=lambda h: None, channel=follower_ch, list_deadline_s=2)
+    leader.start()
+    follower.start()
+    leader.submit(1).result(timeout=20)
+    assert started.wait(20)  # the follower uploads step 1 before its own submit(1)
+    late = follower.submit(1)
+    release.set()
+    late.result(timeout=20)
+    assert follower.waiting() == set()
+    assert len(follower.take_errors()) == (1 if fails else 0)
+    leader.close(5)
+    follower.close(5)

@@ -490,13 +490,12 @@ class Replicator:
             else:
                 self._upload(step, attempt=f"a{seq}")
         except BaseException as exc:
-            with self._cond:
-                self._current = None
             self._failed(step, waiters, exc)
             return
         with self._cond:
             self._current = None
             self._replicated.add(step)
+            waiters += self._waiting.pop(step, [])  # submitted while the upload ran (a follower's late commit)
             if self._follower and not waiters:
                 self._outcomes[step] = ("uploaded", None)
             if self._remote_steps is not None:
@@ -524,6 +523,8 @@ class Replicator:
         self._failed_streak(exc)
         gone = isinstance(exc, CheckpointNotFoundError) and exc.tier == self.local.tier
         with self._cond:
+            self._current = None
+            waiters = waiters + self._waiting.pop(step, [])  # submitted while the upload ran
             if self._follower and not waiters:
                 self._outcomes[step] = ("failed", exc)
             if not gone and not self._follower and not self._closed:
