@@ -1,4 +1,4 @@
-"""benchmarks/requests.py: the counting S3 server counts what a client really sends, and a 1- and 2-rank job's
+"""benchmarks/request_counts.py: the counting S3 server counts what a client really sends, and a 1- and 2-rank job's
 requests per save and per restart come out as the protocol says (exact where it is deterministic)."""
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ STEPS = 2
 
 
 def _load() -> ModuleType:
-    """benchmarks/requests.py under a name of its own (as ``requests`` it would stand for the HTTP library)."""
-    spec = importlib.util.spec_from_file_location("bench_requests", ROOT / "benchmarks" / "requests.py")
+    """benchmarks/request_counts.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_request_counts", ROOT / "benchmarks" / "request_counts.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_requests"] = mod
+    sys.modules["bench_request_counts"] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -158,13 +158,23 @@ def test_a_rank_that_restores_the_wrong_step_fails_the_launch(server: Any, tmp_p
         bench.launch_phase(server, "restart", 1, folder, remote, steps=2, numel=1024, timeout_s=120)
 
 
-def test_growth_fit_recovers_known_exponents() -> None:
+def test_growth_fit_recovers_known_laws() -> None:
     fit = bench.fit_growth
-    assert fit({1: 5, 2: 5, 4: 5, 8: 5})["exponent"] == pytest.approx(0.0)
+    const = fit({1: 5, 2: 5, 4: 5, 8: 5})
+    assert const["exponent"] == pytest.approx(0.0) and const["model"] == "a + b*W"
+    assert const["linear"]["8192"] == pytest.approx(5.0)
     lin = fit({1: 3, 2: 6, 4: 12, 8: 24})
-    assert lin["exponent"] == pytest.approx(1.0)
+    assert lin["exponent"] == pytest.approx(1.0) and lin["exponent_tail"] == pytest.approx(1.0)
     assert lin["power"]["1024"] == pytest.approx(3 * 1024)
     assert lin["b"] == pytest.approx(3.0) and lin["a"] == pytest.approx(0.0, abs=1e-9)
-    skipped = fit({1: 0, 2: 4, 4: 16})  # W=1 has no count: fitted over the others
+    # a constant plus a linear term: the exponent climbs towards 1, the model is exact; W = 1 (the single-process
+    # protocol) is left out of the fit once two larger W are there
+    mixed = fit({1: 100, 2: 6, 4: 10, 8: 18, 16: 34})
+    assert mixed["fitted_over"] == [2, 4, 8, 16]
+    assert (mixed["model"], mixed["a"], mixed["b"]) == ("a + b*W", pytest.approx(2.0), pytest.approx(2.0))
+    assert 0.5 < mixed["exponent"] < mixed["exponent_tail"] < 1.0
+    mean = fit({2: 4, 4: 2, 8: 1})  # a constant total over W ranks
+    assert (mean["model"], mean["a"], mean["b"]) == ("a/W + b", pytest.approx(8.0), pytest.approx(0.0, abs=1e-9))
+    skipped = fit({1: 0, 2: 4, 4: 16})
     assert skipped["exponent"] == pytest.approx(2.0)
     assert fit({1: None, 2: 7})["exponent"] is None
