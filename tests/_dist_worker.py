@@ -81,8 +81,8 @@ def spy_on_loads() -> None:
 
     orig = _restore.prepare
 
-    def spy(mgr, store, step, state, strict, **kw):
-        prepared = orig(mgr, store, step, state, strict, **kw)
+    def spy(mgr, store, step, state, strict, *args, **kw):
+        prepared = orig(mgr, store, step, state, strict, *args, **kw)
         LOADS.append((store.tier, step))
         return prepared
 

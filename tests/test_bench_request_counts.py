@@ -42,14 +42,18 @@ def server() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(server: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, dict[str, Any]]]:
-    """Every phase for 1 and 2 ranks (each launch checks the restored bytes, or raises)."""
+def launches(server: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """Every phase for 1, 2 and 8 ranks (each launch checks the restored bytes, or raises)."""
     scratch = tmp_path_factory.mktemp("requests")
-    out = {}
-    for world in (1, 2):
-        launches = bench.run_world(server, world, scratch, steps=STEPS, numel=64 * 1024, timeout_s=120)
-        out[world] = {p: bench.summarize_launch(launch, STEPS) for p, launch in launches.items()}
-    return out
+    return {world: bench.run_world(server, world, scratch, steps=STEPS, numel=64 * 1024, timeout_s=180)
+            for world in (1, 2, 8)}
+
+
+@pytest.fixture(scope="module")
+def runs(launches: dict[int, dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """The summary of every phase for each world size."""
+    return {w: {p: bench.summarize_launch(launch, STEPS) for p, launch in by_phase.items()}
+            for w, by_phase in launches.items()}
 
 
 def n(summary: dict[str, Any], label: str) -> int:
@@ -113,7 +117,7 @@ def test_the_server_counts_what_a_client_sends(server: Any) -> None:
     assert server.counter.take().total() == 0  # taken: the next phase starts from zero
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 8])
 def test_save_and_restart_requests_are_exact_where_deterministic(runs: dict[int, Any], world: int) -> None:
     save, restart, wiped = (runs[world][p] for p in ("save", "restart", "restart-wiped"))
     assert save["untagged"] == restart["untagged"] == wiped["untagged"] == 0
@@ -130,6 +134,8 @@ def test_save_and_restart_requests_are_exact_where_deterministic(runs: dict[int,
     # its rank manifest from the remote, and writes nothing
     assert n(wiped, "GET data") == world
     assert n(wiped, "GET rank-manifest") == world
+    # and manifest.json, which lists every rank, once in all: rank 0 reads it and hands each rank its own entry
+    assert n(wiped, "GET step-manifest") == 1
     assert not [k for k in wiped["by_kind"] if k.startswith(("PUT", "POST", "DELETE"))], wiped["by_kind"]
 
 
@@ -145,6 +151,33 @@ def test_two_ranks_cost_each_rank_about_what_one_rank_costs(runs: dict[int, Any]
         assert two["rank0"] <= one["rank0"] + 3, (phase, report)
         assert two["max_other_rank"] <= one["rank0"], (phase, report)
         assert two["max_other_rank"] < two["rank0"], (phase, report)
+
+
+def test_eight_ranks_cost_each_rank_what_two_ranks_cost(runs: dict[int, Any]) -> None:
+    """The growth law at the largest world this machine runs in the suite: per-rank requests per save and per
+    restart at 8 ranks stay within a constant of those at 2 (an O(W) term per rank would add 6 or more), and so do
+    rank 0's (its job-wide work is one listing page, one GET and one PUT per save, whatever W)."""
+    report = {w: {p: (s["per_rank"], s["rank0"], s["max_other_rank"]) for p, s in runs[w].items()}
+              for w in (2, 8)}
+    print("per rank, rank 0, busiest other rank:", report)
+    for phase in ("save", "restart", "restart-wiped"):
+        two, eight = runs[2][phase], runs[8][phase]
+        assert eight["per_rank"] <= two["per_rank"] + 2, (phase, report)
+        assert eight["rank0"] <= two["rank0"] + 2, (phase, report)
+        assert eight["max_other_rank"] <= two["max_other_rank"] + 1, (phase, report)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_no_rank_but_rank_0_reads_the_step_manifest_during_saves(launches: dict[int, Any], world: int) -> None:
+    """Commits go through the c10d store: while steps are being committed no other rank GETs (or HEADs) a step's
+    manifest.json, not even once, and none lists the remote; rank 0 asks for it a bounded number of times per step
+    (committed already? one GET; the commit's existence checks, HEADs), whatever W."""
+    counts = launches[world]["save"].counts
+    step_manifest = ["GET step-manifest", "HEAD step-manifest"]
+    for rank in range(1, world):
+        assert counts.total(rank=rank, kinds=step_manifest) == 0, (rank, counts.trace)
+        assert counts.total(rank=rank, kinds=["GET list"]) == 0, (rank, counts.trace)
+    assert 0 < counts.total(rank=0, kinds=step_manifest) <= 3 * STEPS, counts.trace
 
 
 def test_a_rank_that_restores_the_wrong_step_fails_the_launch(server: Any, tmp_path: Path) -> None:

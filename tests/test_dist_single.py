@@ -254,6 +254,10 @@ class FakeCoordinator:
         self.calls.append((group, obj))
         return [obj, self.peer(group, obj)]
 
+    def scatter(self, objs: list[Any] | None, group: Any, *, src: int = 0) -> Any:
+        self.calls.append((group, ("scatter", objs)))
+        return objs[0] if objs else None
+
     def announce(self, sid: str, what: str) -> None:
         self.calls.append(("announce", (sid, what)))
 
@@ -301,8 +305,8 @@ def ok_peer(step_sid: Callable[[int], str] | None = None) -> Callable[[str, Any]
                 sid = ref[1].split("-", 1)[1].split(".", 1)[0]
                 return (True, (1, layout.rank_manifest_name(1, sid), 123, "0" * 32), nbytes, created, metadata)
             return (True, "")  # "committed on every node"
-        if isinstance(obj, list):  # restore / resume candidates: the same as rank 0's
-            return list(obj)
+        if isinstance(obj, dict):  # restore candidates: the same as rank 0's
+            return dict(obj)
         return obj if obj is None else ("ok", "")
 
     return peer
@@ -436,7 +440,7 @@ def saved_twin(tmp_path: Path, steps: list[int], peer: Callable[[str, Any], Any]
 def restore_peer(candidates: list[int], outcome: Callable[[], tuple[str, str]] = lambda: ("ok", "")):
     def peer(group: str, obj: Any) -> Any:
         assert group == "main"
-        return list(candidates) if isinstance(obj, list) else outcome()
+        return {"steps": list(candidates), "shared_first": []} if isinstance(obj, dict) else outcome()
 
     return peer
 

@@ -152,13 +152,15 @@ class Prepared:
                 release()
 
 
-def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool, *,
-            in_place: bool = False) -> Prepared:
+def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool,
+            given: StepManifest | None = None, *, in_place: bool = False) -> Prepared:
     """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
     in ``state`` until :meth:`Prepared.apply`, except the CPU tensors the bytes are read into: with ``in_place``,
     and in a guarded restore (the default on a store of local, uncompressed files), whose :class:`UndoLog` puts
-    their old bytes back if the restore fails or is released unapplied."""
-    manifest = read_step(store, step)
+    their old bytes back if the restore fails or is released unapplied. ``given``: the step's ``manifest.json`` in
+    ``store`` as another rank read it, cut down to the rank manifest this rank reads (``manifest.json`` is not
+    read again, except where this rank needs other ranks' shards)."""
+    manifest = given if given is not None else read_step(store, step)
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
     src = mgr.rank if mgr.rank < manifest.world_size else 0
@@ -279,7 +281,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
 
     prepared = Prepared(holder["release"], run, undo)
     try:
-        assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw))
+        assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw),
+                                       complete=given is None)
     except BaseException:
         prepared.release()  # a guarded restore's tensors get their old bytes back
         raise
@@ -361,16 +364,18 @@ def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views
 
 def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManifest,
                        targets: dict[str, tuple[Any, str, tuple[int, ...]]], *,
-                       own: tuple[int, RankManifest, Any]) -> dict[str, torch.Tensor]:
+                       own: tuple[int, RankManifest, Any], complete: bool = True) -> dict[str, torch.Tensor]:
     """Each distributed-tensor target's box, from the saved shards that overlap it (read whole and verified).
 
     Shards of this rank's own saved manifest come from the bytes already loaded; the others are read from the first
-    tier that holds their rank (the local tier of a node holds its own ranks; the remote holds all)."""
+    tier that holds their rank (the local tier of a node holds its own ranks; the remote holds all). ``complete``:
+    whether ``manifest`` lists every rank ``store`` holds (else it is read again if other ranks are needed)."""
     if not targets:
         return {}
     src, own_rm, own_raw = own
     tiers = list(dict.fromkeys(t for t in (store, mgr.local, mgr.remote) if t is not None))
-    step_manifests: dict[int, StepManifest | None] = {id(store): manifest}  # each tier's manifest.json, read once
+    # each tier's manifest.json, read once
+    step_manifests: dict[int, StepManifest | None] = {id(store): manifest} if complete else {}
 
     def step_manifest_of(tier: Store) -> StepManifest | None:
         if id(tier) not in step_manifests:
@@ -388,7 +393,7 @@ def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManif
         # targets, and no other rank's manifest is read (O(1) requests a rank, not O(world size))
         others: list[Any] = []
     else:
-        others = list(manifest.ranks)
+        others = list((step_manifest_of(store) or manifest).ranks)
     for ref in others:
         if ref.rank in manifests:
             continue

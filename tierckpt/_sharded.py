@@ -3,6 +3,7 @@ protocol on storage and :mod:`.distributed` for the groups the agreements run on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, MutableMapping
@@ -26,6 +27,7 @@ from .storage.failures import describe
 from .storage.retry import is_transient
 from .tiers import sharded
 from .tiers.listing import TierListings, list_tiers
+from .tiers.reader import read_step
 from .tiers.writer import RankSnapshot
 
 if TYPE_CHECKING:
@@ -179,7 +181,11 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
     except StorageError as exc:
         blocked = exc
     mine = candidates(mgr, tiers, listing)
-    everyone = coord.gather(None if blocked is not None else sorted(mine), coord.main_group)  # None: blocked
+    # each rank's steps, and those it will read from a shared tier first (its node does not hold its shard)
+    offer = None if blocked is not None else {
+        "steps": sorted(mine), "shared_first": [s for s, st in mine.items() if st[0].tier != "local"]}
+    reports = coord.gather(offer, coord.main_group)  # None: blocked
+    everyone = [None if r is None else r["steps"] for r in reports]
     if any(c is None for c in everyone):
         if blocked is not None:
             raise blocked
@@ -198,12 +204,17 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
             return None
         order = sorted(common, reverse=True)
     errors: list[str] = []
+    own_error: Exception | None = None
     for s in order:
         prepared = None
         outcome: tuple[str, str] = ("ok", "")
+        shared = _share_step_manifest(mgr, tiers, s, [r for r, rep in enumerate(reports) if s in rep["shared_first"]])
         for store in mine.get(s, []):
             try:
-                prepared = load(store, s, state, strict)
+                if shared is not None and store is shared[0]:
+                    prepared = load(store, s, state, strict, shared[1])
+                else:
+                    prepared = load(store, s, state, strict)
                 break
             except StateMismatchError as exc:
                 outcome = ("mismatch", exc.detail)
@@ -212,9 +223,23 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
                 log.warning("restore: rank %d: step %d in tier %s is corrupt (%s); files: %s", coord.topology.rank, s,
                             store.tier, exc, ", ".join(exc.bad_files) or "?")
                 outcome = ("corrupt", str(exc))
+            except Exception as exc:  # a tier that cannot be read, a bug: every rank stops, none waits for this one
+                own_error = exc
+                outcome = ("storage" if isinstance(exc, StorageError) else "error", f"{type(exc).__name__}: {exc}")
+                break
         if prepared is None and outcome[0] == "ok":
             outcome = ("corrupt", "no tier holds an intact copy")
         results = coord.gather(outcome if prepared is None else ("ok", ""), coord.main_group)
+        failed = [(r, k, m) for r, (k, m) in enumerate(results) if k in ("storage", "error")]
+        if failed:
+            if prepared is not None:
+                prepared.release()
+            if own_error is not None and outcome[0] in ("storage", "error"):
+                raise own_error
+            r, kind, msg = failed[0]
+            cls = StorageError if kind == "storage" else CheckpointError
+            raise cls(f"rank {r} could not load this step ({msg}); no rank restores it", step=s,
+                      path=", ".join(t.url for t in tiers))
         mismatches = [(r, m) for r, (k, m) in enumerate(results) if k == "mismatch"]
         if mismatches:
             if prepared is not None:
@@ -234,6 +259,37 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
                                      path=", ".join(t.url for t in tiers))
     raise CorruptCheckpointError("no step is intact for every rank: " + " | ".join(errors),
                                  step=order[0] if order else step, path=", ".join(t.url for t in tiers))
+
+
+def _share_step_manifest(mgr: CheckpointManager, tiers: list[Store], step: int,
+                         readers: list[int]) -> tuple[Store, StepManifest] | None:
+    """Rank 0 reads the shared tier's ``manifest.json`` of ``step`` once and hands each rank in ``readers`` (those
+    that read their shard from that tier) the manifest cut down to the one rank manifest it needs, so that a
+    restart of W ranks from the remote reads W*117 bytes of rank list once, not once per rank (O(W^2) in all).
+    Returns this rank's (tier, manifest), or None: not a reader, or rank 0 could not read it (the rank then reads
+    the manifest itself and meets the same error, if any, on its own). A collective: every rank calls it for the
+    same steps."""
+    coord = mgr._coord
+    assert coord is not None
+    remote = next((t for t in tiers if t.tier != "local"), None)
+    if remote is None or not readers:
+        return None
+    parts: list[Any] | None = None
+    if coord.topology.rank == 0:
+        parts = [None] * coord.topology.world_size
+        try:
+            full = read_step(remote, step)
+        except Exception as exc:  # never skip the scatter: the other ranks wait in it
+            log.info("restore: step %d: rank 0 could not read %s's manifest for the other ranks: %s", step,
+                     remote.tier, exc)
+        else:
+            refs = {ref.rank: ref for ref in full.ranks}
+            for r in readers:
+                ref = refs.get(r if r < full.world_size else 0)
+                if ref is not None:
+                    parts[r] = dataclasses.replace(full, ranks=(ref,))
+    mine = coord.scatter(parts, coord.main_group)
+    return None if mine is None else (remote, mine)
 
 
 def recover_local(mgr: CheckpointManager) -> None:

@@ -94,6 +94,13 @@ class Coordinator:
         dist.all_gather_object(out, obj, group=group)
         return out
 
+    @staticmethod
+    def scatter(objs: list[Any] | None, group: Any, *, src: int = 0) -> Any:
+        """Rank ``src`` hands rank r ``objs[r]``; every rank returns its own (``objs`` is read on ``src`` only)."""
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs if dist.get_rank() == src else None, src=src, group=group)
+        return out[0]
+
     def upload_channel(self) -> StoreChannel:
         """Where rank 0's replicator publishes its decisions and the others read them (see
         :class:`tierckpt.replication.replicator.UploadChannel`)."""
