@@ -1,9 +1,11 @@
-"""Where each local-tier target of the performance issue stands, run by run, from ``bench.py``'s JSON results.
+"""Where each local-tier target stands, run by run, from ``bench.py``'s JSON results.
 
     python benchmarks/targets.py [RESULT.json ...] [--size-gib 2] [--markdown targets.md]
 
-Without files it reads every ``docs/results/cpu_*_bench_*.json`` of the given state size (2 GiB, the size the
-targets are stated at). One row a run, oldest first, each ratio a median of that run:
+Without files it reads the newest committed run: of the ``docs/results/cpu_<date><letter>_bench_*.json`` files of
+the given state size (2 GiB, the size the targets are stated at), those whose ``<date><letter>`` tag sorts last
+(one run's repeats, e.g. ``cpu_2026-12-03a_bench_2g_run1.json`` to ``..._run3.json``). One row per file, each
+ratio a median of that file's repeats:
 
 - stall: the steady-state ``save()`` stall over ``copy_`` into preallocated tensors (target <= 1.1x);
 - durable: time until ``handle.persisted`` over the run's raw write+fsync limit (the fastest of its ways),
@@ -11,11 +13,11 @@ targets are stated at). One row a run, oldest first, each ratio a median of that
 - cold restores, verified: in place and by default, over the run's raw cold-read limit and over the read timed
   next to each restore (the median of the per-restore ratios).
 
-Runs from ``2026-12-02g`` on hold stricter limits: the raw ways include ``O_DIRECT`` from and into buffers on
-transparent huge pages (tierckpt stages in such memory since then), and the read timed next to each restore is
-such a direct read, where it had been a buffered read into the target tensors (1.5-1.9x slower on that host).
+The limits are those ``bench.py`` measured in the same run: results whose ``raw`` case lacks the huge-page ways
+(``write_nf_direct_huge``, ``read_cold_nf_direct_huge``) hold slower limits and do not compare with those that
+have them.
 
-The last row counts the runs that met each target. A run's own limit and the write or read timed next to a save
+The last row counts the files that met each target. A run's own limit and the write or read timed next to a save
 can differ by 10-40% on a shared virtual disk, so both are shown and neither is picked after the fact.
 """
 
@@ -32,6 +34,11 @@ from common import markdown_table
 
 TARGET = 1.1
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_tag(path: Path) -> str:
+    """The run a committed result belongs to: ``2026-12-03a`` of ``cpu_2026-12-03a_bench_2g_run1.json``."""
+    return path.stem.removeprefix("cpu_").split("_", 1)[0]
 
 
 def _pairs(run: dict[str, Any]) -> list[float]:
@@ -67,7 +74,7 @@ def ratios(run: dict[str, Any]) -> dict[str, tuple[float | None, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", help="bench.py JSON results (default: docs/results/cpu_*_bench_*.json)")
+    p.add_argument("files", nargs="*", help="bench.py JSON results (default: the newest run's docs/results/cpu_*_bench_*.json)")
     p.add_argument("--size-gib", type=float, default=2.0, help="only runs of this state size (default 2)")
     p.add_argument("--markdown", help="write the table as Markdown here")
     a = p.parse_args(argv)
@@ -80,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         if "tierckpt" not in run["medians"] or "derived" not in run:
             continue
         runs.append((path, run))
+    if not a.files and runs:  # the default: the newest run's files only
+        newest = max(map(_run_tag, (path for path, _ in runs)))
+        runs = [(path, run) for path, run in runs if _run_tag(path) == newest]
     if not runs:
         print(f"no bench.py results of {a.size_gib:g} GiB among {len(paths)} files", file=sys.stderr)
         return 1
