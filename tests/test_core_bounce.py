@@ -21,6 +21,7 @@ import torch
 from helpers_core import assert_tensor_equal, data_files, direct_io_supported, evict_data_files, step_path
 
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
+from tierckpt._memory import buffer_address
 from tierckpt.format import hashing
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import cached_share
@@ -246,7 +247,7 @@ def test_bounce_buffers_are_bounded_and_hand_each_buffer_to_one_reader_at_a_time
     pool.release(a)
     t.join(10)
     assert got and got[0] is a
-    assert local_mod.buffer_address(a) % 4096 == 0 and local_mod.buffer_address(b) % 4096 == 0
+    assert buffer_address(a) % 4096 == 0 and buffer_address(b) % 4096 == 0
 
 
 @pytest.mark.parametrize("threaded", [False, True])
@@ -275,7 +276,7 @@ def test_a_failing_copy_out_gives_each_buffer_back_exactly_once(tmp_path, monkey
                           hash_executor=hx if threaded else None, bounce=bounce)
     assert bounce.free() == bounce.count
     assert len({id(b) for b in bounce._free}) == bounce.count  # no buffer listed twice
-    assert len({local_mod.buffer_address(b) for b in bounce._free}) == bounce.count
+    assert len({buffer_address(b) for b in bounce._free}) == bounce.count
 
 
 def _save_in(mgr: CheckpointManager, state: dict[str, torch.Tensor], step: int) -> None:
@@ -303,7 +304,7 @@ def test_a_manager_that_has_saved_cuts_the_bounce_buffers_from_its_ready_staging
 
         def spy(self: local_mod.LocalStore, rel: str, offset: int, buf: memoryview) -> int:
             if buf.nbytes == SMALL:
-                seen.append(local_mod.buffer_address(buf) or 0)
+                seen.append(buffer_address(buf) or 0)
             return real_read(self, rel, offset, buf)
 
         monkeypatch.setattr(local_mod.LocalStore, "readinto_direct", spy)
@@ -349,4 +350,4 @@ def test_borrowed_bounce_memory_is_checked() -> None:
     skip = -buf.data_ptr() % 4096
     pool = BounceBuffers(2, 4096, memory=memoryview(buf[skip : skip + 2 * 4096].numpy()))
     a = pool.acquire()
-    assert local_mod.buffer_address(a) == buf.data_ptr() + skip or local_mod.buffer_address(a) == buf.data_ptr() + skip + 4096
+    assert buffer_address(a) == buf.data_ptr() + skip or buffer_address(a) == buf.data_ptr() + skip + 4096

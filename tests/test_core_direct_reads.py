@@ -18,6 +18,7 @@ import torch
 from helpers_core import assert_tensor_equal, cached_fraction, data_files, direct_io_supported, step_path
 
 from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt._memory import buffer_address
 from tierckpt.snapshot.staging import aligned_empty
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import DIRECT_ALIGN, LocalStore
@@ -295,7 +296,7 @@ def test_reused_chunks_are_the_files_bytes(tmp_path: Path, direct_io: bool, size
         addresses = set()
         for view in store.iter_chunks("f.bin", chunk, start=start, length=length, reuse=True):
             assert isinstance(view, memoryview) and 0 < view.nbytes <= chunk
-            addresses.add(local_mod.buffer_address(view))
+            addresses.add(buffer_address(view))
             got.append(bytes(view))  # the next chunk overwrites this one
         assert b"".join(got) == want and [len(g) for g in got] == [len(p) for p in plain]
         assert len(addresses) <= 1, "every chunk should be read into the one reused buffer"

@@ -26,6 +26,7 @@ from helpers_core import (
 )
 
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
+from tierckpt._memory import buffer_address
 from tierckpt.snapshot.staging import aligned_empty
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import DIRECT_ALIGN, LocalStore
@@ -41,7 +42,7 @@ def test_direct_write_stream_mixes_aligned_and_unaligned_pieces(tmp_path: Path) 
     buf = aligned_empty(8 * DIRECT_ALIGN + 100, pin=False)
     buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
     view = memoryview(buf.numpy())
-    assert local_mod.buffer_address(view) % DIRECT_ALIGN == 0
+    assert buffer_address(view) % DIRECT_ALIGN == 0
     expected = bytes(view) + b"tail as bytes"
     w = store.open_write("f.bin", size_hint=max(len(expected), local_mod.DIRECT_MIN_BYTES))
     opened_direct = w.direct

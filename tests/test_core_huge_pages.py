@@ -14,8 +14,7 @@ import torch
 from helpers_core import assert_tensor_equal, direct_io_supported
 
 from tierckpt import CheckpointManager
-from tierckpt._memory import HUGE_PAGE, anonymous_buffer, huge_pages_available
-from tierckpt.storage.local import buffer_address
+from tierckpt._memory import HUGE_PAGE, anonymous_buffer, buffer_address, huge_pages_available
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -63,12 +63,12 @@ def test_fraction_limited_to_some_ops():
 
 def test_stall_sleeps_the_planned_calls():
     slept = []
-    plan = FaultPlan(stall={"a": 5.0, "b": (2.0, [2])})
+    plan = FaultPlan(stall={"write_bytes": 5.0, "read_bytes": (2.0, [2])})
     plan.sleep = slept.append
-    plan.hit("a")
-    plan.hit("b")
-    plan.hit("b")
-    plan.hit("b")
+    plan.hit("write_bytes")
+    plan.hit("read_bytes")
+    plan.hit("read_bytes")
+    plan.hit("read_bytes")
     assert slept == [5.0, 2.0]
 
 
@@ -93,6 +93,69 @@ def test_short_writes_and_read_faults(make_store):
         assert f.read(2) == b"12"
         with pytest.raises(ConnectionError):
             f.read(2)
+
+
+@pytest.mark.parametrize("field", ["fail", "stall", "fraction_ops"])
+@pytest.mark.parametrize("make", ["plan", "store", "filesystem"])
+def test_a_plan_refuses_an_operation_no_store_has(field, make):
+    """A misspelt operation would never fail or stall: the plan refuses it, naming it and the known ones."""
+    import fsspec
+
+    arg = {"fail": {"write_bytes": [1], "wirte_bytes": [1]}, "stall": {"wirte_bytes": 1.0},
+           "fraction_ops": ["wirte_bytes"]}[field]
+    if make == "plan":
+        build, known = (lambda **kw: FaultPlan(**kw)), FaultyStore.OPS | FaultyFileSystem.OPS
+    elif make == "store":
+        build, known = (lambda **kw: FaultyStore(None, **kw)), FaultyStore.OPS  # type: ignore[arg-type]
+    else:
+        build, known = (lambda **kw: FaultyFileSystem(fsspec.filesystem("memory"), **kw)), FaultyFileSystem.OPS
+    if make == "filesystem" and field == "fail":
+        arg = {"cat_file": [1], "wirte_bytes": [1]}
+    with pytest.raises(ValueError, match=f"{field} names an unknown operation 'wirte_bytes'") as err:
+        build(**{field: arg})
+    assert err.value.args[0].endswith("known: " + ", ".join(sorted(known)))
+
+
+def test_each_wrapper_accepts_only_its_own_operations():
+    import fsspec
+
+    assert "cat_file" not in FaultyStore.OPS and "write_bytes" not in FaultyFileSystem.OPS
+    with pytest.raises(ValueError, match="'cat_file'"):
+        FaultyStore(None, stall={"cat_file": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'write_bytes'"):
+        FaultyFileSystem(fsspec.filesystem("memory"), fail={"write_bytes": "all"})
+    for op in FaultyFileSystem.OPS:
+        FaultyFileSystem(fsspec.filesystem("memory"), fail={op: "all"}, stall={op: 0.0}, fraction_ops=[op])
+    FaultPlan(fail={"cat_file": [1], "write_bytes": [1]})  # a bare plan: any wrapper's operations
+
+
+def test_every_store_operation_goes_through_the_plan(make_store):
+    """Each name in ``FaultyStore.OPS`` is really counted by a call of that name (and only those names are)."""
+    calls = {
+        "list": lambda s: s.list(""),
+        "exists": lambda s: s.exists("x"),
+        "size": lambda s: s.size("x"),
+        "read_bytes": lambda s: s.read_bytes("x", max_size=10),
+        "readinto": lambda s: s.readinto("x", 0, memoryview(bytearray(1))),
+        "open_read": lambda s: s.open_read("x"),
+        "read": lambda s: s.open_read("x").read(1),
+        "makedirs": lambda s: s.makedirs("d"),
+        "open_write": lambda s: s.open_write("y"),
+        "write": lambda s: s.open_write("y").write(b"1"),
+        "close": lambda s: s.open_write("y").close(),
+        "write_bytes": lambda s: s.write_bytes("y", b"1"),
+        "remove": lambda s: s.remove("x"),
+        "replace_dir": lambda s: s.replace_dir("d", "e"),
+        "sync_dir": lambda s: s.sync_dir(""),
+    }
+    assert set(calls) == FaultyStore.OPS
+    inner = make_store("memory")
+    inner.write_bytes("x", b"abc")
+    for op, call in calls.items():
+        store = FaultyStore(inner, fail={op: "all"})
+        with pytest.raises(ConnectionError, match=f"injected fault: {op} call 1"):
+            call(store)
+        assert store.plan.failures == {op: 1}
 
 
 def test_faulty_filesystem_with_fsspec_store():

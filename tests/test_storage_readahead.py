@@ -318,7 +318,7 @@ def test_options_are_validated(tmp_path) -> None:
 
 
 def test_pull_reads_ahead_and_refuses_a_truncated_object(tmp_path, s3_bucket, s3_server, monkeypatch) -> None:
-    from tierckpt import cli_remote
+    from tierckpt.cli import remote as cli_remote
     from tierckpt.storage.local import LocalStore
 
     monkeypatch.setattr(cli_remote, "_CHUNK", 64 << 10)

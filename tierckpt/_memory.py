@@ -1,11 +1,13 @@
-"""Large host buffers for I/O: private anonymous memory, page-aligned, on transparent huge pages where asked.
+"""Large host buffers for I/O: private anonymous memory, page-aligned, on transparent huge pages where asked; and
+the address of a buffer (:func:`buffer_address`), which alignment checks and ``ctypes`` copies need.
 
 Why huge pages: a direct read or write moves a buffer's bytes by DMA, one segment per physically contiguous run. In
 4 KiB pages a run is one page, and a request carries at most the device's segment limit of them (254 on the
 reference VM's virtual disk: about 1 MiB a request instead of its 4 MiB limit); in 2 MiB pages a run is 2 MiB. A
 2 GiB ``O_DIRECT`` write from a buffer on huge pages took 0.65x the time of the same write from 4 KiB pages there,
-a direct read into one 0.49x (docs/benchmarks.md, session 17); copies into it run at the same speed. Fewer pages also
-mean less work pinning them for each request and fewer TLB misses on any machine.
+a direct read into one 0.49x (8 interleaved rounds; docs/benchmarks.md, "huge_pages on and off"); copies into it
+run at the same speed. Fewer pages also mean less work pinning them for each request and fewer TLB misses on any
+machine.
 
 What it costs: a huge page is faulted in whole. On bare metal that is faster per byte than small pages; on a VM
 whose balloon reports free memory to the host (free page reporting works on 2 MiB blocks) a fresh huge page may
@@ -66,6 +68,13 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode and "[" in mode
 
 
+def buffer_address(view: memoryview) -> int | None:
+    """Address of a writable contiguous buffer's first byte; None where it cannot be known (read-only ``bytes``)."""
+    if view.readonly or not view.c_contiguous or not view.nbytes:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def anonymous_buffer(size: int, *, huge: bool = False) -> memoryview:
     """A writable, zero-filled buffer of ``size`` bytes in private anonymous memory, page-aligned, and with ``huge``
     (where :func:`huge_pages_available`) aligned to :data:`HUGE_PAGE` and advised onto huge pages.
@@ -91,4 +100,4 @@ def anonymous_buffer(size: int, *, huge: bool = False) -> memoryview:
     return view
 
 
-__all__ = ["HUGE_PAGE", "anonymous_buffer", "huge_pages_available"]
+__all__ = ["HUGE_PAGE", "anonymous_buffer", "buffer_address", "huge_pages_available"]

@@ -43,7 +43,7 @@ from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from .tiers.listing import TierListings
-from .tiers.reader import PendingLoad, Prefetch, buffer_layout, read_ranks, read_step, start_load
+from .tiers.reader import PendingLoad, Prefetch, buffer_layout, fetch_file, read_ranks, read_step, start_load
 from .tiers.undo import UndoLog
 
 if TYPE_CHECKING:
@@ -427,8 +427,6 @@ def _read_record(store: Store, rm: RankManifest, rec: Any) -> torch.Tensor:
     f = rm.files[rec.file]
     rel = join(layout.step_dir(rm.step), f.name)
     if f.compression:
-        from .tiers.uploader import fetch_file
-
         whole = bytearray(f.size)
         fetch_file(store, layout.step_dir(rm.step), f, memoryview(whole))
         data = bytes(memoryview(whole)[rec.offset : rec.offset + rec.nbytes])

@@ -25,9 +25,9 @@ from typing import Any
 from .._version import __version__
 from ..errors import CorruptCheckpointError
 from . import hashing
+from .checks import check_shape, unique_keys
 from .dtypes import ITEMSIZE
 from .layout import check_file_name
-from .safetensors import check_shape
 from .tensors import (
     COLUMNS,
     TENSOR_KINDS,
@@ -302,16 +302,6 @@ def _shard(v: Any, shape: tuple[int, ...], where: str, step: int | None, path: s
     if not ok:
         raise CorruptCheckpointError(f"{where}: bad shard description {str(v)[:80]}", step=step, path=path)
     return v
-
-
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a JSON object with a repeated key is malformed (readers could disagree on it)."""
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup!r}")
-    return d
 
 
 def _shallow(obj: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
+from .checks import check_shape, unique_keys
 from .dtypes import ITEMSIZE
 
 ALIGN = 4096
@@ -64,8 +65,6 @@ def parse_header_length(prefix: bytes, file_size: int, *, where: str = "") -> in
 def parse_header(raw: bytes, data_size: int, *, where: str = "") -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     """Parse and check a header: known dtypes, sane shapes, offsets that tile ``[0, data_size)`` exactly."""
     try:
-        from .manifest import unique_keys
-
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"unreadable safetensors header{where}: {exc}") from None
@@ -101,16 +100,3 @@ def parse_header(raw: bytes, data_size: int, *, where: str = "") -> tuple[dict[s
         raise CorruptCheckpointError(f"tensor data ends at {pos} but the data section is {data_size} bytes{where}")
     return entries, meta
 
-
-#: A tensor may have at most this many dimensions (torch's own limit is 64).
-MAX_NDIM = 64
-
-
-def check_shape(shape: object, what: str) -> tuple[int, ...]:
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_NDIM
-        or not all(type(d) is int and 0 <= d < (1 << 48) for d in shape)
-    ):
-        raise CorruptCheckpointError(f"bad shape {shape!r} for {what}")
-    return tuple(shape)

@@ -20,8 +20,8 @@ from functools import partial
 from itertools import chain
 from typing import Any, NamedTuple
 
+from .checks import MAX_DIM, MAX_NDIM
 from .dtypes import ITEMSIZE
-from .safetensors import MAX_NDIM
 
 #: Containers tags the tree may use for tensors.
 TENSOR_KINDS = ("torch", "numpy")
@@ -46,8 +46,6 @@ class TensorRecord(NamedTuple):
 
 #: The table's columns (version 2): every field but the index, which is the position.
 COLUMNS: tuple[str, ...] = TensorRecord._fields[1:]
-#: No dimension of a stored shape may reach this (it bounds ``nbytes`` long before any allocation).
-MAX_DIM = 1 << 48
 _MAX_INT = 1 << 63
 #: ``TensorRecord`` from one iterable of all eleven fields, without the generated ``__new__`` (a Python call).
 make_record = partial(tuple.__new__, TensorRecord)

@@ -16,6 +16,7 @@ The default error is ``ConnectionError`` (transient, so retries apply); pass an 
 (``list exists size read_bytes readinto open_read makedirs open_write write_bytes remove replace_dir sync_dir``)
 plus ``write``/``close`` of write streams and ``read`` of read streams. :class:`FaultyFileSystem` uses the fsspec
 method names (``cat_file pipe_file open info ls rm makedirs ...``) plus ``write``/``close`` on files opened to write.
+Each wrapper's ``OPS`` holds its names; a plan that names any other operation raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ def default_error(op: str, n: int) -> BaseException:
 
 
 class FaultPlan:
-    """Which calls fail or stall; shared by the wrappers below. ``calls`` counts every operation by name."""
+    """Which calls fail or stall; shared by the wrappers below. ``calls`` counts every operation by name.
+
+    ``ops``: the operation names the plan may name (a wrapper passes its own :attr:`~FaultyStore.OPS`); by default
+    those of either wrapper (:func:`known_ops`). A name in ``fail``, ``stall`` or ``fraction_ops`` outside them
+    raises ``ValueError``: a misspelt operation would otherwise never fail, and the test would pass for nothing.
+    """
 
     def __init__(
         self,
@@ -50,9 +56,16 @@ class FaultPlan:
         short_writes: bool = False,
         error_factory: ErrorFactory = default_error,
         sleep: Callable[[float], None] = time.sleep,
+        ops: Iterable[str] | None = None,
     ) -> None:
         if not 0.0 <= fail_fraction <= 1.0:
             raise ValueError(f"fail_fraction must be in [0, 1], got {fail_fraction}")
+        known = frozenset(ops) if ops is not None else known_ops()
+        for what, names in (("fail", fail), ("stall", stall), ("fraction_ops", fraction_ops)):
+            unknown = sorted(set(names or ()) - known)
+            if unknown:
+                raise ValueError(f"{what} names an unknown operation {', '.join(map(repr, unknown))}; "
+                                 f"known: {', '.join(sorted(known))}")
         self.fail: dict[str, set[int] | str] = {}
         for op, which in (fail or {}).items():
             self.fail[op] = "all" if which == "all" else {int(n) for n in which}  # type: ignore[union-attr]
@@ -154,6 +167,11 @@ class FaultyStore(Store):
     chunk is "the n-th ``readinto``" a race). ``plan.calls`` counts the calls per operation.
     """
 
+    #: The operations a plan may name: every method the :class:`Store` interface requires and its
+    #: ``replace_dir``/``sync_dir`` hooks, each counted under its own name (``sizes`` counts as ``list``), plus
+    #: ``write``/``close`` of write streams and ``read`` of read streams. Other methods are delegated unchecked.
+    OPS: frozenset[str] = frozenset(Store.__abstractmethods__) | {"replace_dir", "sync_dir", "write", "close", "read"}
+
     def __init__(
         self,
         inner: Store,
@@ -180,6 +198,7 @@ class FaultyStore(Store):
             short_writes=short_writes,
             error_factory=error_factory,
             sleep=sleep,
+            ops=self.OPS,
         )
         self.url = inner.url
         self.tier = inner.tier
@@ -317,9 +336,12 @@ class FaultyFileSystem:
         }
     )
 
+    #: The operations a plan may name: the hooked methods, plus ``write``/``close`` of files opened to write.
+    OPS: frozenset[str] = _HOOKED | {"write", "close"}
+
     def __init__(self, fs: Any, **plan: Any) -> None:
         self.fs = fs
-        self.plan = FaultPlan(**plan)
+        self.plan = FaultPlan(**plan, ops=self.OPS)
 
     @property
     def calls(self) -> Counter[str]:
@@ -345,3 +367,8 @@ class FaultyFileSystem:
             return attr(*args, **kwargs)
 
         return hooked
+
+
+def known_ops() -> frozenset[str]:
+    """Every operation name some wrapper here counts: the default vocabulary of a :class:`FaultPlan`."""
+    return FaultyStore.OPS | FaultyFileSystem.OPS

@@ -40,7 +40,7 @@ from typing import BinaryIO
 
 from .. import faults
 from .._libc import libc_function
-from .._memory import anonymous_buffer
+from .._memory import anonymous_buffer, buffer_address
 from ..errors import CheckpointError, StorageError
 from ..format import layout
 from .base import Store, WriteStream, join
@@ -147,13 +147,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def buffer_address(view: memoryview) -> int | None:
-    """Address of a writable contiguous buffer's first byte; None where it cannot be known (read-only ``bytes``)."""
-    if view.readonly or not view.c_contiguous or not view.nbytes:
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def direct_ok(view: memoryview, offset: int) -> bool:
@@ -314,9 +307,10 @@ class LocalStore(Store):
         """With ``reuse``, every chunk is read into one page-aligned buffer of ``chunk`` bytes (mapped per call),
         ``O_DIRECT`` where this store reads direct and the range is mostly not in the page cache: the uploader's read
         of a committed file then takes neither fresh memory per chunk nor the page cache's (1 GiB to a POSIX remote
-        on the same disk: 2.25 -> 0.85 s with direct writes there, docs/benchmarks.md session 16). On huge pages
-        with :attr:`huge_pages` (fewer, larger DMA segments for the direct read and for a direct write of the
-        chunk to a POSIX remote: 1 GiB 0.62-0.67 s against 1.12-1.23 s on small pages, session 17)."""
+        on the same disk, direct writes there: 0.85 s against 2.25 s for a fresh buffer per chunk written through
+        the page cache, 6 interleaved rounds). On huge pages with :attr:`huge_pages` (fewer, larger DMA segments for
+        the direct read and for a direct write of the chunk to a POSIX remote: 1 GiB 0.62-0.67 s against
+        1.12-1.23 s on small pages)."""
         if not reuse:
             yield from super().iter_chunks(rel, chunk, start=start, length=length)
             return

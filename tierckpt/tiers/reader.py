@@ -22,6 +22,9 @@ Invariants:
 - with hashing threads, a file's reader hands each piece it read to its own hashing task and reads on; the file is
   verified only when that task has hashed every piece, and a read never returns (nor lets its memory go) while its
   hashing task may still touch it;
+- :func:`fetch_file` reads one whole stored file (a compressed one decompressed) into a buffer of its recorded
+  size and never past it; a file of another size is :class:`CorruptCheckpointError`, and its checksum is the
+  caller's to check (:func:`read_file_into` hashes what it fetched);
 - :func:`start_load` returns while the reads run; whichever of :meth:`PendingLoad.result` and
   :meth:`PendingLoad.cancel` ends it returns only once no read or hash touches the buffer any more.
 """
@@ -38,12 +41,12 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 
+from .._memory import buffer_address
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
-from ..storage.local import buffer_address
 from ..storage.readahead import ReadAhead, each
 from .bounce import BounceBuffers
 from .tasks import results, submit_all
@@ -57,7 +60,7 @@ FUSED_BLOCK = 256 << 10
 #: Bytes per read of a file read whole around the page cache (``O_DIRECT``, straight into the staging buffer). A
 #: fresh buffer's pages fault in inside each such read before its transfer starts, so a reader alternates between
 #: faulting and waiting on the disk; 32 MiB reads made 2 GiB default cold restores into fresh buffers 0.59-0.85x as
-#: long as 8 MiB ones on the benchmark VM (four interleaved A/B runs, 30 rounds; docs/benchmarks.md, session 16).
+#: long as 8 MiB ones on the benchmark VM (four interleaved A/B runs, 30 rounds).
 #: Reads into memory faulted in before took the same time at either size.
 DIRECT_READ_CHUNK = 32 << 20
 #: Buffers per vectored read (well under every kernel's IOV_MAX of 1024).
@@ -371,6 +374,49 @@ def _copy_and_hash(seg: hashing.SegmentHasher, pieces: list[memoryview], sources
 _Item = tuple[list[memoryview], "list[int] | None", "list[int | None] | None", "Callable[[], None] | None"]
 
 
+def fetch_file(store: Store, folder: str, record: FileRecord, out: memoryview, *, chunk: int = READ_CHUNK) -> None:
+    """Read the whole file ``record`` of step folder ``folder`` into ``out`` (``len(out) == record.size``),
+    decompressing zstd transparently. Never writes past ``out``; a file that holds (or decompresses to) more or fewer
+    bytes than ``record.size`` raises :class:`CorruptCheckpointError` naming it. Checksums are the caller's job."""
+    view = memoryview(out).cast("B")
+    rel = join(folder, record.name)
+    where = f"{store.url}/{rel}"
+    if len(view) != record.size:
+        raise ValueError(f"buffer of {len(view)} bytes for {record.name} of {record.size} bytes")
+
+    def corrupt(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{record.name}: {msg}", tier=store.tier, path=where, bad_files=[record.name])
+
+    if record.compression is None:
+        pos = 0
+        with ReadAhead(partial(store.readinto, rel), 0, record.size, chunk=chunk, window=store.read_concurrency,
+                       into=view) as chunks:
+            for _, got in chunks:
+                pos += len(got)
+        if pos < record.size:
+            raise corrupt(f"ends early at byte {pos} of {record.size}")
+        if store.readinto(rel, record.size, memoryview(bytearray(1))):
+            raise corrupt(f"longer than its {record.size} bytes")
+        return
+    if record.compression != "zstd":
+        raise corrupt(f"unknown compression {record.compression!r}")
+    import zstandard
+
+    pos = 0
+    try:
+        with store.open_read(rel) as f:
+            reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=chunk, read_across_frames=False)
+            while pos < record.size:
+                n = reader.readinto(view[pos : pos + chunk])
+                if n <= 0:
+                    raise corrupt(f"decompresses to {pos} bytes, fewer than {record.size}")
+                pos += n
+            if reader.read(1):
+                raise corrupt(f"decompresses to more than {record.size} bytes")
+    except zstandard.ZstdError as exc:
+        raise corrupt(f"damaged zstd stream: {exc}") from None
+
+
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
                    direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None,
                    stop: threading.Event | None = None, bounce: BounceBuffers | None = None,
@@ -393,8 +439,6 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
     if undo is not None and mine and not scatter:
         raise ValueError(f"a guarded restore reads {f.name} in place, but it cannot be read straight into tensors")
     if f.compression:
-        from .uploader import fetch_file
-
         fetch_file(store, layout.step_dir(rm.step), f, out)
         seg.feed(out)
     else:

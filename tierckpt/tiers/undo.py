@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from ..storage.local import buffer_address
+from .._memory import buffer_address
 
 log = logging.getLogger(__name__)
 

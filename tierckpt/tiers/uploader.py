@@ -529,49 +529,6 @@ def _fail(ctx: _Ctx, protocol: Any, local: Store, remote: Store, staging: str | 
 
 
 # --- reading and managing steps on a store --------------------------------------------------------------------------
-def fetch_file(store: Store, folder: str, record: FileRecord, out: memoryview, *, chunk: int = DEFAULT_CHUNK) -> None:
-    """Read the whole file ``record`` of step folder ``folder`` into ``out`` (``len(out) == record.size``),
-    decompressing zstd transparently. Never writes past ``out``; a file that holds (or decompresses to) more or fewer
-    bytes than ``record.size`` raises :class:`CorruptCheckpointError` naming it. Checksums are the caller's job."""
-    view = memoryview(out).cast("B")
-    rel = join(folder, record.name)
-    where = _url(store, rel)
-    if len(view) != record.size:
-        raise ValueError(f"buffer of {len(view)} bytes for {record.name} of {record.size} bytes")
-
-    def corrupt(msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{record.name}: {msg}", tier=store.tier, path=where, bad_files=[record.name])
-
-    if record.compression is None:
-        pos = 0
-        with ReadAhead(partial(store.readinto, rel), 0, record.size, chunk=chunk, window=store.read_concurrency,
-                       into=view) as chunks:
-            for _, got in chunks:
-                pos += len(got)
-        if pos < record.size:
-            raise corrupt(f"ends early at byte {pos} of {record.size}")
-        if store.readinto(rel, record.size, memoryview(bytearray(1))):
-            raise corrupt(f"longer than its {record.size} bytes")
-        return
-    if record.compression != "zstd":
-        raise corrupt(f"unknown compression {record.compression!r}")
-    import zstandard
-
-    pos = 0
-    try:
-        with store.open_read(rel) as f:
-            reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=chunk, read_across_frames=False)
-            while pos < record.size:
-                n = reader.readinto(view[pos : pos + chunk])
-                if n <= 0:
-                    raise corrupt(f"decompresses to {pos} bytes, fewer than {record.size}")
-                pos += n
-            if reader.read(1):
-                raise corrupt(f"decompresses to more than {record.size} bytes")
-    except zstandard.ZstdError as exc:
-        raise corrupt(f"damaged zstd stream: {exc}") from None
-
-
 def list_steps(store: Store) -> dict[int, str]:
     """Every step a store holds, with its state: ``"committed"`` (a verified ``manifest.json``), ``"corrupt"`` (a
     ``manifest.json`` that does not verify) or ``"incomplete"`` (no manifest: an upload in progress or a crash's

@@ -6,9 +6,11 @@ files have their recorded sizes (so a damaged newest step cannot cost the last g
 the commit protocol's recovery on ROOT (unfinished uploads and saves, files no manifest names).
 
 Next to a live job: a local root whose lock a live manager (or ``tierckpt pull``) holds is refused (exit 3),
-whatever the options; on a remote root, which writers on other hosts use without a lock here, ``--leftovers`` keeps
-whatever may still be in progress: leftovers and unfinished S3 uploads younger than ``--min-age`` (default 1 h), or
-of unknown age. Exit codes are :mod:`tierckpt.cli`'s.
+whatever the options, ``--dry-run`` included; on a remote root (a URL, or a folder without lock files), which
+writers on other hosts use without a lock here and whose uploads look exactly like leftovers, ``--leftovers`` keeps
+whatever may still be in progress: leftovers younger than ``--min-age`` (default 1 h; S3 multipart uploads by their
+start, folders by their newest file, files of a committed step by their own time), or of unknown age, are kept and
+listed as possibly in progress, unless ``--min-age 0``. Exit codes are :mod:`tierckpt.cli`'s.
 """
 
 from __future__ import annotations
@@ -18,40 +20,37 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any, cast
 
-from .cli import (
+from ..errors import CheckpointError, StorageError
+from ..format import layout
+from ..storage import folder_lock
+from ..storage.base import Store, join
+from ..storage.failures import translate
+from ._common import (
     EXIT_USAGE,
-    _bounded,
-    _clean,
-    _exit_for,
-    _list_root,
-    _open_root,
-    _say,
-    _seconds,
-    _Unavailable,
-    _Usage,
+    Unavailable,
+    UsageError,
+    add_common_options,
+    bounded,
+    bounded_list_root,
+    clean,
+    exit_for,
+    open_root,
+    say,
+    seconds,
+    url_of,
 )
-from .errors import CheckpointError, StorageError
-from .format import layout
-from .storage import folder_lock
-from .storage.base import Store, join
-from .storage.failures import translate
 
 #: Seconds a remote root's leftover must have been left alone before ``prune --leftovers`` removes it.
 DEFAULT_MIN_AGE_S = 3600.0
-
-
-def _url(store: Store, rel: str) -> str:
-    return f"{store.url}/{rel}" if rel else store.url
 
 
 def _manifests_ok(args: argparse.Namespace, store: Store, step: int) -> bool:
     """Cheap integrity check: the manifests verify and every data file has its recorded size. Raises
     :class:`~tierckpt.errors.StorageError` when the store cannot be read (that says nothing about the
     step)."""
-    from .tiers.reader import check_sizes, read_manifests
+    from ..tiers.reader import check_sizes, read_manifests
 
     def check() -> None:
         _manifest, rms = read_manifests(store, step)
@@ -59,7 +58,7 @@ def _manifests_ok(args: argparse.Namespace, store: Store, step: int) -> bool:
             check_sizes(store, rm)
 
     try:
-        _bounded(args, store, "read manifests of", check)
+        bounded(args, store, "read manifests of", check)
     except StorageError:
         raise
     except (CheckpointError, OSError):
@@ -68,13 +67,13 @@ def _manifests_ok(args: argparse.Namespace, store: Store, step: int) -> bool:
 
 
 def _refuse_if_live(store: Store) -> None:
-    """``_Unavailable`` (exit 3) when ``store`` is a local folder whose lock a live process holds (a running
+    """``Unavailable`` (exit 3) when ``store`` is a local folder whose lock a live process holds (a running
     ``CheckpointManager`` or ``tierckpt pull``): its retention and recovery own the folder while it runs."""
     if store.local_path is None:
         return
     ranks = folder_lock.live_holders(store.local_path)
     if ranks:
-        raise _Unavailable(f"{store.url} is in use by a live CheckpointManager (ranks {ranks}); stop it "
+        raise Unavailable(f"{store.url} is in use by a live CheckpointManager (ranks {ranks}); stop it "
                            "first (its own retention prunes this folder while it runs), then prune")
 
 
@@ -142,7 +141,7 @@ class _OldLeftoversOnly:
                 if why is None:
                     shown.append(name)
                 else:
-                    self._keep(_url(self._store, name), why)
+                    self._keep(url_of(self._store, name), why)
             return shown
         if layout.parse_step_dir(rel) is not None:  # a committed step's folder: its young files stay unlisted
             return [n for n in names if self._young(join(rel, n)) is None]
@@ -163,21 +162,21 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
     (see :class:`_OldLeftoversOnly`). Returns (what was done, or with ``--dry-run`` the leftovers' names and
     the uploads it would abort; what was kept as possibly in progress); a failure is appended to ``failures``
     and ``errors`` and reported on stderr."""
-    from .storage.commit import protocol_for
-    from .tiers.verify import list_root
+    from ..storage.commit import protocol_for
+    from ..tiers.verify import list_root
 
     view: Any = store
     try:
         if args.min_age > 0 and not _is_local_tier(store):
-            times = _bounded(args, store, "list", store.modified_times)
+            times = bounded(args, store, "list", store.modified_times)
             view = _OldLeftoversOnly(store, times, args.min_age, time.time())
         if args.dry_run:
-            found = _bounded(args, store, "list", lambda: list_root(view).incomplete)
-            uploads = _bounded(args, store, "list unfinished uploads",
+            found = bounded(args, store, "list", lambda: list_root(view).incomplete)
+            uploads = bounded(args, store, "list unfinished uploads",
                                lambda: view.discard_unfinished_uploads(dry_run=True))
             if not args.json:
                 for name in found:
-                    print(f"would remove leftover {_url(store, name)}")
+                    print(f"would remove leftover {url_of(store, name)}")
                 for line in uploads:
                     print(line)
             actions = found + uploads
@@ -188,7 +187,7 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
                     print(f"leftover: {action}")
     except (CheckpointError, OSError) as exc:
         failures.append(translate(exc, op="clean leftovers", tier=store.tier, url=store.url))
-        msg = _clean(args, f"FAILED to clean leftovers under {store.url}: {exc}")
+        msg = clean(args, f"FAILED to clean leftovers under {store.url}: {exc}")
         errors.append(f"leftovers: {msg}")
         print(msg, file=sys.stderr)
         actions = []
@@ -201,21 +200,21 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step."""
-    from .retention import KeepPolicy
-    from .tiers.uploader import delete_step
+    from ..retention import KeepPolicy
+    from ..tiers.uploader import delete_step
 
     try:
         policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
     except ValueError as exc:
-        raise _Usage(str(exc)) from None
-    store, only = _open_root(args, args.root)
+        raise UsageError(str(exc)) from None
+    store, only = open_root(args, args.root)
     if only is not None:
-        raise _Usage("prune takes a tier root, not a step folder")
+        raise UsageError("prune takes a tier root, not a step folder")
     try:
         _refuse_if_live(store)
-        steps = sorted(_list_root(args, store).steps)
+        steps = sorted(bounded_list_root(args, store).steps)
         if not steps:
-            _say(args, f"no committed checkpoints under {store.url}")
+            say(args, f"no committed checkpoints under {store.url}")
             return EXIT_USAGE
         doomed = policy.to_delete(steps)
         protected = next((s for s in reversed(steps) if _manifests_ok(args, store, s)), None)
@@ -228,7 +227,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         errors: list[str] = []
         failures: list[BaseException] = []
         for step in doomed:
-            where = _url(store, layout.step_dir(step))
+            where = url_of(store, layout.step_dir(step))
             if args.dry_run:
                 if not args.json:
                     print(f"would delete step {step} ({where})")
@@ -237,7 +236,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 delete_step(store, step)
             except (CheckpointError, OSError) as exc:
                 failures.append(translate(exc, op="delete", tier=store.tier, url=where, step=step))
-                msg = _clean(args, f"step {step}: FAILED to delete {where}: {exc}")
+                msg = clean(args, f"step {step}: FAILED to delete {where}: {exc}")
                 errors.append(msg)
                 print(msg, file=sys.stderr)
                 continue
@@ -257,11 +256,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     else:
         verb = "would delete" if args.dry_run else "deleted"
         print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s); keeping {kept}")
-    return _exit_for(failures)
+    return exit_for(failures)
 
 
-
-def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_commands(sub: Any) -> None:
     """Register ``prune`` on the ``tierckpt`` sub-parsers."""
     sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step)")
     sp.add_argument("root", help="tier root: a path or an fsspec URL")
@@ -271,8 +269,8 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("--leftovers", action="store_true",
                     help="also remove leftovers of unfinished saves/uploads (on a remote root: those older "
                          "than --min-age only)")
-    sp.add_argument("--min-age", type=_seconds, default=DEFAULT_MIN_AGE_S, metavar="SECONDS",
+    sp.add_argument("--min-age", type=seconds, default=DEFAULT_MIN_AGE_S, metavar="SECONDS",
                     help="remote roots: leftovers younger than this may be a live writer's upload in "
                          f"progress and are kept (default {DEFAULT_MIN_AGE_S:g}; 0 removes every leftover)")
-    common(sp)
+    add_common_options(sp)
     sp.set_defaults(fn=cmd_prune)

@@ -1,12 +1,11 @@
-"""The CLI commands that move checkpoints between tiers: ``tierckpt sync``, ``pull`` and ``prune``.
+"""The commands that move checkpoints between tiers: ``tierckpt sync`` and ``pull``.
 
-``cli.build_parser`` calls :func:`add_commands` to register them. They share ``cli``'s conventions: exit 0 on
-success, 1 when an operation failed or a step is corrupt, 2 for a usage error or nothing found, 3 when the
-storage could not be reached or used (unreachable, silent past ``--timeout``, access denied) or a live job
-holds the root; where some steps failed for a reason of their own and others for want of storage, 1 wins.
-``--json`` prints one document on stdout and nothing else; a progress bar goes to stderr on a terminal only.
-Messages, failure lines included, name stores by their ``url`` (credentials removed), never by the
-``--storage-option`` values.
+They follow the conventions of :mod:`tierckpt.cli`: exit 0 on success, 1 when an operation failed or a step is
+corrupt, 2 for a usage error or nothing found, 3 when the storage could not be reached or used (unreachable, silent
+past ``--timeout``, access denied) or a live job holds the root; where some steps failed for a reason of their own
+and others for want of storage, 1 wins. ``--json`` prints one document on stdout and nothing else; a progress bar
+goes to stderr on a terminal only. Messages, failure lines included, name stores by their ``url`` (credentials
+removed), never by the ``--storage-option`` values.
 
 - ``sync LOCAL REMOTE`` replicates every committed local step that the remote does not hold committed, through
   :func:`tierckpt.tiers.uploader.replicate_step` (data, then rank manifests, then ``manifest.json`` last). It
@@ -20,16 +19,6 @@ Messages, failure lines included, name stores by their ``url`` (credentials remo
   live manager (exit 3 while one runs). A local copy of the step from another save (which may exist nowhere
   else) is replaced only with ``--force``; a damaged one, or one of the same save, is replaced by the verified
   copy.
-- ``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy` by hand, deleting
-  each step ``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests
-  verify and whose files have their recorded sizes (so a damaged newest step cannot cost the last good one). A
-  local tier root whose lock a live process holds (a running ``CheckpointManager`` or ``pull``) is refused,
-  ``--dry-run`` included, with exit 3. With ``--leftovers`` it also runs the commit protocol's recovery on
-  ROOT (unfinished uploads, files no manifest names). On a remote root (a URL, or a folder without lock files)
-  another host's writer may be uploading right now, and its upload looks exactly like a leftover: leftovers
-  younger than ``--min-age`` (default an hour; S3 multipart uploads by their start, folders by their newest
-  file, files of a committed step by their own time) are kept and listed as possibly in progress, as is any
-  whose age cannot be told, unless ``--min-age 0``.
 """
 
 from __future__ import annotations
@@ -44,37 +33,39 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from ._memory import huge_pages_available
-from .cli import (
-    EXIT_BAD,
-    EXIT_OK,
-    EXIT_USAGE,
-    _bounded,
-    _clean,
-    _deadline,
-    _exit_for,
-    _list_root,
-    _open,
-    _open_root,
-    _progress,
-    _say,
-    _Unavailable,
-    _Usage,
-)
-from .errors import (
+from .._memory import huge_pages_available
+from ..errors import (
     CheckpointError,
     CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from .format import hashing, layout
-from .format.manifest import FileRecord, RankManifest, RankRef, StepManifest
-from .storage import folder_lock
-from .storage.base import Store, join
-from .storage.failures import translate, with_deadline
-from .storage.open import is_url
-from .storage.readahead import ReadAhead
-from .storage.s3upload import DEFAULT_WRITE_CONCURRENCY
+from ..format import hashing, layout
+from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest
+from ..storage import folder_lock
+from ..storage.base import Store, join
+from ..storage.failures import translate, with_deadline
+from ..storage.open import is_url
+from ..storage.readahead import ReadAhead
+from ..storage.s3upload import DEFAULT_WRITE_CONCURRENCY
+from ._common import (
+    EXIT_BAD,
+    EXIT_OK,
+    EXIT_USAGE,
+    Unavailable,
+    UsageError,
+    add_common_options,
+    bounded,
+    bounded_list_root,
+    clean,
+    deadline_for,
+    exit_for,
+    open_root,
+    open_target,
+    progress_bar,
+    say,
+    url_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +73,8 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 << 20
 
 
-def _url(store: Store, rel: str) -> str:
-    return f"{store.url}/{rel}" if rel else store.url
-
-
 def _bar(args: argparse.Namespace, total: int, desc: str) -> Any:
-    return _progress(total, sys.stderr.isatty() and not args.json, desc)
+    return progress_bar(total, sys.stderr.isatty() and not args.json, desc)
 
 
 def _emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
@@ -99,27 +86,27 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 def cmd_sync(args: argparse.Namespace) -> int:
     """Replicate committed local steps that the remote lacks; exit 1 if a step failed (3 if every failure was
     for want of storage)."""
-    from .storage.commit import read_step_manifest
-    from .tiers.reader import read_manifests
-    from .tiers.uploader import list_steps, replicate_step
+    from ..storage.commit import read_step_manifest
+    from ..tiers.reader import read_manifests
+    from ..tiers.uploader import list_steps, replicate_step
 
     if args.threads < 1:
-        raise _Usage("--threads must be >= 1")
+        raise UsageError("--threads must be >= 1")
     if args.write_concurrency < 1:
-        raise _Usage("--write-concurrency must be >= 1")
+        raise UsageError("--write-concurrency must be >= 1")
     # the uploader's read buffer on huge pages where direct reads use it (as the manager's, huge_pages auto)
-    local, only = _open_root(args, args.local, tier="local", direct_io=args.direct_io,
+    local, only = open_root(args, args.local, tier="local", direct_io=args.direct_io,
                              huge_pages=args.direct_io and huge_pages_available())
-    local_steps = [s for s in _list_root(args, local).steps if only is None or s == only]
+    local_steps = [s for s in bounded_list_root(args, local).steps if only is None or s == only]
     if not local_steps:
-        _say(args, f"no committed checkpoints under {local.url}"
+        say(args, f"no committed checkpoints under {local.url}"
              + (f" for step {only}" if only is not None else ""))
         return EXIT_USAGE
-    remote = _open(args, args.remote, tier="remote", create=True, write_concurrency=args.write_concurrency,
+    remote = open_target(args, args.remote, tier="remote", create=True, write_concurrency=args.write_concurrency,
                    direct_io=args.direct_io)
     failures: list[BaseException] = []
     try:
-        remote_state = _bounded(args, remote, "list", lambda: list_steps(remote))
+        remote_state = bounded(args, remote, "list", lambda: list_steps(remote))
         todo: list[int] = []
         results: list[dict[str, Any]] = []
         for step in local_steps:
@@ -127,12 +114,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 todo.append(step)
                 continue
             folder = layout.step_dir(step)
-            mine = _bounded(args, local, "read manifest of",
+            mine = bounded(args, local, "read manifest of",
                             partial(read_step_manifest, local, folder, step))
-            theirs = _bounded(args, remote, "read manifest of",
+            theirs = bounded(args, remote, "read manifest of",
                               partial(read_step_manifest, remote, folder, step))
             same = mine is not None and theirs is not None and mine.save_id == theirs.save_id
-            entry: dict[str, Any] = {"step": step, "status": "skipped", "url": _url(remote, folder)}
+            entry: dict[str, Any] = {"step": step, "status": "skipped", "url": url_of(remote, folder)}
             if not same:
                 entry["note"] = "the remote holds another save of this step; kept it"
             results.append(entry)
@@ -148,14 +135,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
         bar = _bar(args, total, "sync")
         try:
             for step in todo:
-                where = _url(remote, layout.step_dir(step))
+                where = url_of(remote, layout.step_dir(step))
                 try:
                     res = replicate_step(local, remote, step, threads=args.threads,
                                          compression=args.compression, verify=args.verify,
                                          progress=(lambda n: bar.update(n)) if bar else None)
                 except (CheckpointError, OSError) as exc:
                     failures.append(translate(exc, op="replicate", tier=remote.tier, url=where, step=step))
-                    msg = _clean(args, str(exc))
+                    msg = clean(args, str(exc))
                     results.append({"step": step, "status": "failed", "url": where, "error": msg})
                     if bar:
                         bar.clear()
@@ -181,28 +168,28 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if not args.json:
         done = sum(r["status"] == "uploaded" for r in results)
         print(f"{done} uploaded, {len(results) - done - len(failures)} already there, {len(failures)} failed")
-    return _exit_for(failures)
+    return exit_for(failures)
 
 
 # -------------------------------------------------------------------------------------------------- pull
 def _lock_local(root: str) -> int:
-    """Take the rank-0 lock of a local tier root, as a manager would; ``_Unavailable`` (exit 3) if a live
+    """Take the rank-0 lock of a local tier root, as a manager would; ``Unavailable`` (exit 3) if a live
     manager or pull holds it."""
     try:
         return folder_lock.acquire(root, 0)
     except CheckpointLockedError:
-        raise _Unavailable(f"{root} is in use by a live CheckpointManager or pull (it holds the folder's "
+        raise Unavailable(f"{root} is in use by a live CheckpointManager or pull (it holds the folder's "
                            "lock); stop it or pull elsewhere") from None
 
 
 def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, staging: str,
                progress: Callable[[int], Any] | None) -> FileRecord:
     """Stream one remote data file into ``staging``, decompressed, hashing every byte; the local record."""
-    from .tiers.reader import mismatch_error, segment_ends
+    from ..tiers.reader import mismatch_error, segment_ends
 
     rec = rm.files[index]
     src = join(layout.step_dir(rm.step), rec.name)
-    where = _url(remote, src)
+    where = url_of(remote, src)
     seg = hashing.SegmentHasher(segment_ends(rm, index))
 
     def corrupt(msg: str) -> CorruptCheckpointError:
@@ -275,8 +262,8 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
     :class:`CorruptCheckpointError` (naming the files) when its copy there does not verify; nothing becomes
     visible in ``local`` then. :class:`~tierckpt.errors.StorageError` when a store cannot be read or
     written."""
-    from .storage.commit import protocol_for
-    from .tiers.reader import check_sizes, read_manifests
+    from ..storage.commit import protocol_for
+    from ..tiers.reader import check_sizes, read_manifests
 
     def manifests() -> tuple[StepManifest, list[RankManifest]]:
         found = read_manifests(remote, step)
@@ -288,11 +275,11 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
         manifest, rms = manifests()
     else:
         manifest, rms = with_deadline(manifests, deadline_s=deadline_s, what="read manifests of",
-                                      tier=remote.tier, url=_url(remote, layout.step_dir(step)))
+                                      tier=remote.tier, url=url_of(remote, layout.step_dir(step)))
     for rm in rms:
         if rm.save_id != manifest.save_id:
             raise CorruptCheckpointError("rank manifest belongs to another save", step=step, tier=remote.tier,
-                                         path=_url(remote, layout.step_dir(step)))
+                                         path=url_of(remote, layout.step_dir(step)))
     protocol = protocol_for(local)
     staging = protocol.begin(local, step, layout.new_save_id())
     try:
@@ -311,7 +298,7 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
             if new_rm is rm and (len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum):
                 raise CorruptCheckpointError("rank manifest changed while being pulled", step=step,
                                              tier=remote.tier,
-                                             path=_url(remote, join(layout.step_dir(step), ref.name)),
+                                             path=url_of(remote, join(layout.step_dir(step), ref.name)),
                                              bad_files=[ref.name])
             refs.append(RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex()))
             local.write_bytes(join(staging, ref.name), raw)
@@ -322,36 +309,36 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
         try:
             protocol.abort(local, staging, step)
         except Exception as exc:  # pragma: no cover - the leftover is removed by the next manager's recovery
-            log.warning("step %d: removing the partial pull %s failed: %s", step, _url(local, staging), exc)
+            log.warning("step %d: removing the partial pull %s failed: %s", step, url_of(local, staging), exc)
         raise
     return out
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """Bring one step of REMOTE back into the local tier root LOCAL."""
-    from .storage.commit import read_step_manifest
-    from .tiers.reader import read_manifests
+    from ..storage.commit import read_step_manifest
+    from ..tiers.reader import read_manifests
 
     if is_url(args.local):
-        raise _Usage(f"LOCAL must be a local folder, got the URL {args.local!r}")
+        raise UsageError(f"LOCAL must be a local folder, got the URL {args.local!r}")
     if args.threads < 1:
-        raise _Usage("--threads must be >= 1")
+        raise UsageError("--threads must be >= 1")
     if args.read_concurrency < 1:
-        raise _Usage("--read-concurrency must be >= 1")
-    remote, only = _open_root(args, args.remote, tier="remote", read_concurrency=args.read_concurrency)
+        raise UsageError("--read-concurrency must be >= 1")
+    remote, only = open_root(args, args.remote, tier="remote", read_concurrency=args.read_concurrency)
     step = args.step if args.step is not None else only
     if step is None:
-        raise _Usage("pull needs --step N (or a step folder as REMOTE)")
+        raise UsageError("pull needs --step N (or a step folder as REMOTE)")
     try:
-        local = _open(args, args.local, tier="local", create=True)
+        local = open_target(args, args.local, tier="local", create=True)
         fd = _lock_local(local.local_path or args.local.removeprefix("file://"))
         try:
             total = 0
             try:
-                theirs = _bounded(args, remote, "read manifests of", lambda: read_manifests(remote, step)[0])
+                theirs = bounded(args, remote, "read manifests of", lambda: read_manifests(remote, step)[0])
                 total = theirs.total_bytes
             except CheckpointNotFoundError:
-                _say(args, f"step {step} is not committed in {remote.url}")
+                say(args, f"step {step} is not committed in {remote.url}")
                 return EXIT_USAGE
             except CorruptCheckpointError:
                 theirs = None  # pull_step reports the damage
@@ -360,16 +347,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
             except CorruptCheckpointError:
                 mine = None  # a damaged local copy is what a pull repairs
             if mine is not None and theirs is not None and mine.save_id != theirs.save_id and not args.force:
-                _say(args, f"{_url(local, layout.step_dir(step))} holds another save of step {step} "
+                say(args, f"{url_of(local, layout.step_dir(step))} holds another save of step {step} "
                            f"(save {mine.save_id}, the remote has {theirs.save_id}); --force replaces it")
                 return EXIT_USAGE
             bar = _bar(args, total, f"pull {step}")
             try:
                 manifest = pull_step(remote, local, step, threads=args.threads,
-                                     deadline_s=_deadline(args, remote),
+                                     deadline_s=deadline_for(args, remote),
                                      progress=(lambda n: bar.update(n)) if bar else None)
             except CorruptCheckpointError as exc:
-                _say(args, f"step {step} in {remote.url} is corrupt, nothing pulled: {exc}")
+                say(args, f"step {step} in {remote.url} is corrupt, nothing pulled: {exc}")
                 return EXIT_BAD
             finally:
                 if bar:
@@ -378,7 +365,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
             folder_lock.release(fd)
     finally:
         remote.close()
-    where = _url(local, layout.step_dir(step))
+    where = url_of(local, layout.step_dir(step))
     if args.json:
         print(json.dumps({"ok": True, "step": step, "remote": remote.url, "local": where,
                           "bytes": manifest.total_bytes, "save_id": manifest.save_id}))
@@ -389,8 +376,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- parser
-def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``sync`` and ``pull`` (and, through :mod:`.cli_prune`, ``prune``) on the ``tierckpt`` sub-parsers."""
+def add_commands(sub: Any) -> None:
+    """Register ``sync`` and ``pull`` on the ``tierckpt`` sub-parsers."""
     sp = sub.add_parser("sync", help="replicate committed local steps that the remote lacks (resumable)")
     sp.add_argument("local", help="local tier root (or one step folder)")
     sp.add_argument("remote", help="remote tier: a path or an fsspec URL such as s3://bucket/run")
@@ -404,7 +391,7 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     sp.add_argument("--compression", choices=["zstd"], default=None, help="store the remote copy compressed")
     sp.add_argument("--verify", action="store_true",
                     help="re-read and hash every uploaded file before committing")
-    common(sp)
+    add_common_options(sp)
     sp.set_defaults(fn=cmd_sync)
 
     sp = sub.add_parser("pull", help="bring one step of a remote tier back into a local tier root (verified)")
@@ -416,10 +403,5 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
                     help="URLs: ranged reads of one file in flight (default 8; each holds an 8 MiB buffer)")
     sp.add_argument("--force", action="store_true",
                     help="replace a local copy of the step that comes from another save")
-    common(sp)
+    add_common_options(sp)
     sp.set_defaults(fn=cmd_pull)
-
-    from . import cli_prune
-
-    cli_prune.add_commands(sub, common)
-

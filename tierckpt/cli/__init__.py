@@ -1,0 +1,122 @@
+"""The operators' CLI: ``tierckpt ls|verify|inspect|sync|pull|prune``, on local folders and remote URLs.
+
+The commands live in :mod:`.readonly` (``ls``, ``verify``, ``inspect``), :mod:`.remote` (``sync``, ``pull``) and
+:mod:`.prune`, on the helpers of :mod:`._common`; this module builds the parser and maps what a command raises to
+its exit code. None of it imports torch.
+
+Exit codes (every command):
+
+- 0 (``EXIT_OK``): success, everything checked is intact;
+- 1 (``EXIT_BAD``): corruption found (``verify``, ``pull``) or an operation failed (an upload, a deletion);
+- 2 (``EXIT_USAGE``): a usage error, or nothing found (no such folder, step or checkpoint);
+- 3 (``EXIT_UNAVAILABLE``): could not check or act: the storage is unreachable, silent past ``--timeout``,
+  denies access, or the root is in use by a live job (a running ``CheckpointManager`` or ``tierckpt pull``).
+  Nothing is known to be wrong with the checkpoints; try again later. Where some steps failed for a reason of
+  their own and others for want of storage, 1 wins.
+
+A storage failure ends a command with one line on stderr (with ``--json``: the ``{"ok": false, "error": ...}``
+document on stdout instead) naming the command, the URL and the cause, never a traceback. Stores are named by
+their ``url`` (credentials removed); ``--storage-option`` values are never printed. ``--timeout SECONDS``
+(default 30) bounds every listing and manifest read of a remote root (retries of transient failures included)
+and lowers the S3 backend's own connect/read timeouts to match, unless ``--storage-option config_kwargs.*``
+sets them. ``--json`` prints one machine-readable document on stdout and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..errors import CheckpointError, StorageError
+from . import readonly
+from ._common import (
+    EXIT_BAD,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Unavailable,
+    UsageError,
+    backend_failure,
+    clean,
+    say,
+    storage_failure,
+    target_url,
+)
+
+#: Loggers whose retry chatter below ERROR is hidden without ``-v`` (the CLI reports the outcome in one line).
+_CHATTY_LOGGERS = ("tierckpt.storage.failures", "tierckpt.storage.retry", "botocore", "aiobotocore", "s3fs",
+                   "fsspec", "urllib3", "aiohttp", "gcsfs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tierckpt", description="Inspect, verify and move tierckpt checkpoints.",
+        epilog="exit codes: 0 ok; 1 corruption found or an operation failed; 2 usage error or nothing found; "
+               "3 storage unreachable, access denied or root in use by a live job")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log progress (and storage retries) to stderr")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    readonly.add_commands(sub)
+    try:
+        from . import prune, remote
+    except ImportError:  # pragma: no cover - the read-only commands work without them
+        return p
+    remote.add_commands(sub)
+    prune.add_commands(sub)
+    return p
+
+
+def _setup_logging(verbose: bool) -> None:
+    """Log to stderr, as ``logging.basicConfig`` would (and like it, not at all when logging is configured
+    already: an embedding program, a test runner). Without ``verbose`` the storage retries' warnings are
+    hidden: the command reports the outcome in one line."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        handler.addFilter(lambda r: r.levelno >= logging.ERROR or not r.name.startswith(_CHATTY_LOGGERS))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``tierckpt ARGV``; returns the exit code (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.fn(args))
+    except UsageError as exc:
+        print(clean(args, f"tierckpt {args.cmd}: {exc}"), file=sys.stderr)
+        return EXIT_USAGE
+    except Unavailable as exc:
+        say(args, f"tierckpt {args.cmd}: {exc}")
+        return EXIT_UNAVAILABLE
+    except BrokenPipeError:  # `tierckpt inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except FileNotFoundError as exc:
+        say(args, f"tierckpt {args.cmd}: not found: {exc}")
+        return EXIT_USAGE
+    except StorageError as exc:
+        return storage_failure(args, exc)
+    except CheckpointError as exc:
+        where = "" if exc.path else f" ({target_url(args)})"
+        say(args, f"tierckpt {args.cmd}: {exc}{where}")
+        return EXIT_BAD
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if not backend_failure(exc):
+            raise
+        return storage_failure(args, exc)
+
+
+__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "build_parser", "main"]
