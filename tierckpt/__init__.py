@@ -28,6 +28,7 @@ from .status import StepInfo
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
+    from ._load import LoadResult
     from .manager import CheckpointManager
 
 
@@ -37,10 +38,15 @@ def __getattr__(name: str):
         from .manager import CheckpointManager
 
         return CheckpointManager
+    if name == "LoadResult":  # what CheckpointManager.load returns (its module imports torch too)
+        from ._load import LoadResult
+
+        return LoadResult
     raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointManager",
+    "LoadResult",
     "CheckpointError",
     "CheckpointLockedError",
     "CheckpointNotFoundError",

@@ -27,14 +27,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
-from . import _gc, _restore, _sharded, faults
+from . import _gc, _load, _restore, _sharded, faults
 from ._memory import huge_pages_available
 from .distributed import Coordinator, rank_and_world
 from .errors import CheckpointError, RollbackError, StorageError
@@ -581,6 +581,65 @@ class CheckpointManager:
                                         load=lambda *a: _restore.prepare(self, *a, in_place=in_place))
             listing.require(step, ", ".join(t.url for t in tiers))
             return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place, listing=listing)
+
+    def load(self, step: int | None = None, *, source: str = "auto",
+             keys: Sequence[str] | None = None) -> _load.LoadResult:
+        """The newest intact step (or exactly ``step``) as plain Python values, with no state to load into.
+
+        Returns a :class:`LoadResult` (a frozen dataclass: ``result.step``, ``result.tier``, ``result.state``,
+        ``result.metadata``; it does not unpack as a tuple). ``state`` holds what ``save()`` was given, as it was
+        saved: nested dicts (OrderedDicts stay OrderedDicts), lists, tuples, sets, Python scalars and bytes, numpy
+        arrays, and CPU tensors (a ``torch.nn.Parameter`` comes back as a plain tensor, a CPU ``torch.Generator``
+        as a generator); every object saved through ``state_dict()`` (a module, an optimizer) comes back as that
+        ``state_dict()`` tree, not as an object. Each tensor and array is a fresh one that owns its memory (never
+        a view of a buffer this manager reuses); one tensor saved under several keys (tied parameters) comes back
+        as the same tensor object under each. Nothing is unpickled.
+
+        ``step``: load exactly this step; :class:`CheckpointNotFoundError` if no allowed tier has it committed.
+        ``source``: ``"auto"`` (the local tier, then the remote), ``"local"`` or ``"remote"``, as in
+        :meth:`restore`. ``keys``: top-level keys of the saved state (e.g. ``["model"]``): only those sub-trees are
+        returned and only the files and byte ranges that hold their tensors are read.
+
+        Every returned byte is checksummed first, as in :meth:`restore`: a corrupt or missing copy in one tier is
+        logged (naming the files) and the other tier's copy is tried, then, with ``step=None``, the next older
+        step. Memory: one copy of the returned tensors; while a remote file is read, at most one compressed file
+        or a few MiB per io thread more.
+
+        Multi-rank jobs: each rank loads its own saved tree, independently (no collective call, so calling this on
+        one rank or on all cannot deadlock; pass ``step`` so that every rank loads the same one). A DTensor entry
+        comes back as the local shard this rank saved, as a plain tensor; one whose shard this rank did not store
+        (a ``Replicate`` placement is stored by one rank only) comes back as None, with a warning. No global tensor
+        is assembled (use :meth:`restore` into a sharded state for that). A rank the saving job did not have gets
+        rank 0's tree, as in :meth:`restore`.
+
+        Raises:
+            CheckpointNotFoundError: no allowed tier holds a committed step (or ``step``).
+            CorruptCheckpointError: copies exist, but none verifies.
+            StorageError: a tier could not be listed and no other tier holds the step asked for (or any step).
+            KeyError: a key of ``keys`` is not a top-level key of the loaded step (a :class:`StateMismatchError`
+                naming it and the keys the step holds).
+            ValueError: bad arguments.
+        """
+        self._check_open()
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+        if source not in ("auto", "local", "remote"):
+            raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
+        if source == "remote" and self.remote is None:
+            raise ValueError("source='remote' but this manager has no remote tier")
+        if keys is not None:
+            if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+                raise ValueError(f"keys must be None or a list or tuple of str, got {keys!r}")
+            if not keys:
+                raise ValueError("keys must name at least one top-level key (None loads them all)")
+        self.snapshot_barrier()
+        # a save still being written locally is loadable once it commits; uploads are not waited for
+        wait_futures(list(self._persisting))
+        tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
+        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)  # each rank on its own
+        listing.require(step, ", ".join(t.url for t in tiers))
+        with _gc.paused():
+            return _load.load(self, step, tiers, keys=None if keys is None else list(keys), listing=listing)
 
     def latest_step(self) -> int | None:
         """The newest committed step in any tier (committed = manifest present; restore verifies), or None when

@@ -155,6 +155,26 @@ class _Decoder:
         return raw.numpy().view(CODE_TO_NUMPY[rec.dtype]).reshape(rec.shape).copy()
 
 
+class _ValueDecoder(_Decoder):
+    """A :class:`_Decoder` whose ``tensor(i)`` is record ``i``'s final value (a torch tensor, or a numpy array for
+    a ``numpy`` record), owned by the caller and returned as is: never cloned, never copied."""
+
+    def array(self, i: int) -> np.ndarray:
+        return self.tensor(i)  # type: ignore[return-value]
+
+
+def decode_tree(tree: Any, records: tuple[TensorRecord, ...], values: Callable[[int], Any], *, step: int | None,
+                dtensor: Callable[[str], Any] | None = None) -> Any:
+    """``tree`` as plain Python values, without a live state to load into (template-free loading).
+
+    ``values(i)``: record ``i``'s value, of its dtype and shape, owned by the caller: a CPU tensor for a ``torch``
+    record, a numpy array for a ``numpy`` one; each is put in the result as is, so a record referenced under
+    several keys (tied parameters) comes back as one object under each. ``$stateful`` nodes come back as the
+    ``state_dict()`` tree that was saved; ``dtensor(path)`` gives each ``$dtensor`` node's value. Raises
+    :class:`CorruptCheckpointError` for a malformed tree (nothing in it is imported or evaluated)."""
+    return _ValueDecoder(records, values, step=step, dtensor=dtensor).decode(tree, own=False)
+
+
 @dataclass
 class RestorePlan:
     """Checked actions, applied only after the checkpoint's bytes are loaded and verified."""

@@ -1,0 +1,313 @@
+"""Template-free loading: a committed step read back as plain Python values, with no state to load into
+(:meth:`CheckpointManager.load`).
+
+Choosing the copy is restore's rule (:mod:`._restore`): newest step first (or exactly the one asked for), the local
+tier before the remote; a copy that is corrupt or missing (its manifest gone, a data file short, a checksum wrong,
+this rank's shard not held there) is logged with the files at fault and the next copy, then the next older step, is
+tried. A key that the step does not hold is not corruption: it raises at once.
+
+Reading: every record the result needs is read straight into the tensor or array that is returned, allocated
+for it once the files' sizes on the store match the manifest (so a damaged manifest cannot make this allocate more
+than the files hold). A data file is read whole by the restore's reader (:func:`.tiers.reader.read_file_into`, which
+checks the file's checksum) where it is compressed (decompressed into a scratch buffer of its size, copied out once
+verified), or where it lies on a local path and every tensor in it is wanted (read scattered into the tensors;
+only the header lands in a scratch buffer whose other pages are never touched). Otherwise only the byte ranges of
+the wanted tensors are read, adjacent ones together (one vectored read, or one ranged request of an object store,
+per :data:`RUN_BYTES`), and each tensor's bytes are matched against its own checksum in the rank manifest (the
+digest that file's checksum is made of). So ``keys=["model"]`` reads no byte of the optimizer's tensors (unless a
+file is compressed), and a load holds one copy of what it returns, plus at most one compressed file, or
+:data:`RUN_BYTES`, per io thread while it reads.
+
+Invariants: nothing is unpickled or imported (the tree is JSON, decoded by :func:`.snapshot.load.decode_tree`); no
+byte reaches the caller unverified; no collective call is made (each rank of a multi-rank job loads its own saved
+tree independently, so calling this on one rank or on all cannot deadlock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from .format import hashing, layout
+from .format.manifest import RankManifest, TensorRecord
+from .snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
+from .snapshot.load import decode_tree
+from .snapshot.loaded import byte_view
+from .snapshot.staging import aligned_empty
+from .storage.base import Store, join
+from .storage.readahead import ReadAhead
+from .tiers.listing import TierListings
+from .tiers.reader import (
+    MAX_IOV,
+    READ_CHUNK,
+    check_sizes,
+    ends_early_error,
+    read_file_into,
+    read_ranks,
+    read_step,
+)
+from .tiers.tasks import run_all
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+#: Adjacent wanted tensors of a file read in part are read together up to this many bytes (one ``preadv`` on a
+#: local path, one ranged request on an object store); a larger tensor is read on its own, straight into its memory.
+RUN_BYTES = READ_CHUNK
+#: Tags whose value is an index into the tensor table (see :mod:`.snapshot.tree`).
+_RECORD_TAGS = ("$tensor", "$ndarray", "$npscalar", "$generator")
+
+Value = torch.Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :meth:`CheckpointManager.load` returns (a frozen dataclass; read its fields by name).
+
+    Attributes:
+        step: the step that was loaded.
+        tier: the tier its bytes came from: ``"local"`` or ``"remote"``.
+        state: the saved state (only the selected top-level keys with ``keys=``) as plain values: nested
+            dicts/lists/tuples of CPU tensors, numpy arrays and Python values, each stateful object (a module, an
+            optimizer) as its ``state_dict()`` tree.
+        metadata: the ``metadata`` that ``save(step, state, metadata=...)`` stored with this rank's part of the
+            step (None where none was given).
+    """
+
+    step: int
+    tier: str
+    state: dict
+    metadata: Any
+
+
+def load(mgr: CheckpointManager, step: int | None, tiers: list[Store], *, keys: Sequence[str] | None,
+         listing: TierListings) -> LoadResult:
+    """The newest intact step of ``listing`` (or exactly ``step``) from ``tiers``, this rank's saved tree as plain
+    values; see the module docstring. ``listing``: the tiers' committed steps; a tier that could not be listed was
+    checked by the caller (:meth:`TierListings.require`).
+
+    Raises :class:`CheckpointNotFoundError` when no tier holds a step (or ``step``), or every copy went missing
+    while it was read; :class:`CorruptCheckpointError` when copies exist but none verifies;
+    :class:`StateMismatchError` (a ``KeyError``) for a key of ``keys`` the step does not hold."""
+    listings = {store.tier: listing.steps.get(store.tier, set()) for store in tiers}
+    urls = ", ".join(t.url for t in tiers)
+    candidates = [step] if step is not None else sorted(listing.known(), reverse=True)
+    if not candidates:
+        raise CheckpointNotFoundError("no committed checkpoint in any tier", tier="+".join(listings) or None,
+                                      path=urls)
+    failures: list[CheckpointError] = []
+    for s in candidates:
+        holders = [store for store in tiers if s in listings[store.tier]]
+        for store in holders:
+            try:
+                state, metadata = load_copy(mgr, store, s, keys)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                exc.step = s if exc.step is None else exc.step
+                exc.tier = exc.tier or store.tier
+                failures.append(exc)
+                what = "corrupt" if isinstance(exc, CorruptCheckpointError) else "missing"
+                log.warning("load: step %d in tier %s is %s (%s); files: %s; trying the next copy", s, store.tier,
+                            what, exc, ", ".join(getattr(exc, "bad_files", ())) or "?")
+                continue
+            if failures:
+                log.warning("load: loaded step %d from tier %s (%s) after skipping %d copies", s, store.tier,
+                            store.url, len(failures))
+            else:
+                log.info("load: loaded step %d from tier %s (%s)", s, store.tier, store.url)
+            return LoadResult(s, store.tier, state, metadata)
+        if step is not None:
+            if not holders:
+                raise CheckpointNotFoundError("no tier holds this step", step=s, tier="+".join(listings) or None,
+                                              path=urls)
+            raise _none_loads("no copy of this step loads: " + "; ".join(map(str, failures)), failures, s,
+                              "+".join(h.tier for h in holders))
+    raise _none_loads(f"no committed step ({len(candidates)}) loads; newest error: {failures[0]}", failures,
+                      candidates[0], failures[0].tier)
+
+
+def _none_loads(msg: str, failures: list[CheckpointError], step: int, tier: str | None) -> CheckpointError:
+    """The error when every copy failed: corrupt if any copy was, else not found (all went missing meanwhile)."""
+    bad = [f for e in failures for f in getattr(e, "bad_files", ())]
+    path = failures[-1].path if failures else None
+    if any(isinstance(e, CorruptCheckpointError) for e in failures):
+        return CorruptCheckpointError(msg, step=step, tier=tier, path=path, bad_files=bad)
+    return CheckpointNotFoundError(msg, step=step, tier=tier, path=path)
+
+
+def load_copy(mgr: CheckpointManager, store: Store, step: int, keys: Sequence[str] | None) -> tuple[dict, Any]:
+    """This rank's saved tree of ``step`` in ``store`` (rank 0's where the saving job had fewer ranks, as restore
+    does) as plain values, and its metadata. Raises :class:`CorruptCheckpointError` or
+    :class:`CheckpointNotFoundError` for this copy, :class:`StateMismatchError` for a key it does not hold."""
+    manifest = read_step(store, step)
+    src = mgr.rank if mgr.rank < manifest.world_size else 0
+    rms = read_ranks(store, manifest, [src])
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier,
+                                      path=f"{store.url}/{layout.step_dir(step)}")
+    rm = rms[0]
+    root = select(rm.tree, keys, step=step, tier=store.tier, where=f"{store.url}/{layout.step_dir(step)}")
+    shards = {rec.path: rec.index for rec in rm.tensors if rec.shard is not None}
+    if keys is None:
+        wanted: set[int] = set(range(len(rm.tensors)))
+    else:
+        wanted, paths = referenced(root, len(rm.tensors))
+        wanted.update(shards[p] for p in paths if p in shards)
+    values = read_records(mgr, store, rm, wanted)
+    unsaved: list[str] = []
+
+    def local_shard(path: str) -> Any:
+        i = shards.get(path)
+        if i is None:  # a replicated shard that another rank stored
+            unsaved.append(path)
+            return None
+        return values[i]
+
+    state = decode_tree(root, rm.tensors, values.__getitem__, step=step, dtensor=local_shard)
+    if unsaved:
+        log.warning("load: step %d in tier %s (%s): rank %d stored no shard of %d distributed tensor(s) (a replicated "
+                    "shard is stored by one rank only); they load as None: %s", step, store.tier, store.url, src,
+                    len(unsaved), ", ".join(unsaved[:5]) + (" ..." if len(unsaved) > 5 else ""))
+    return state, rm.metadata
+
+
+def select(tree: Any, keys: Sequence[str] | None, *, step: int, tier: str, where: str) -> Any:
+    """The root node of ``tree`` cut down to the top-level ``keys`` (all of it for None), in saved order. Raises
+    :class:`StateMismatchError` naming a key the tree does not hold and the keys it does."""
+    tag = next((t for t in ("$dict", "$odict") if isinstance(tree, dict) and len(tree) == 1 and t in tree), None)
+    if tag is None or not isinstance(tree[tag], list):
+        raise CorruptCheckpointError("malformed state tree: root is not a mapping", step=step, tier=tier, path=where)
+    if keys is None:
+        return tree
+    pairs = [p for p in tree[tag] if isinstance(p, list) and len(p) == 2]
+    saved = [p[0] for p in pairs]
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        shown = ", ".join(repr(k) if isinstance(k, (str, int)) else "<non-str key>" for k in saved)
+        raise StateMismatchError(f"key {missing[0]!r} is not in the saved state; its top-level keys are: "
+                                 f"{shown or '(none)'}", step=step, tier=tier, path=where)
+    chosen = set(keys)
+    return {tag: [p for p in pairs if type(p[0]) is str and p[0] in chosen]}
+
+
+def referenced(node: Any, n_records: int) -> tuple[set[int], set[str]]:
+    """The tensor-table indices (in range) and the distributed tensors' key paths that ``node`` refers to.
+    Iterative, so a deep tree cannot exhaust the stack; a malformed reference is left for decoding to report."""
+    idx: set[int] = set()
+    paths: set[str] = set()
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, list):
+            stack.extend(cur)
+        elif isinstance(cur, dict):
+            for tag in _RECORD_TAGS:
+                i = cur.get(tag)
+                if type(i) is int and 0 <= i < n_records:
+                    idx.add(i)
+            if isinstance(cur.get("$dtensor"), str):
+                paths.add(cur["$dtensor"])
+            stack.extend(v for v in cur.values() if isinstance(v, (list, dict)))
+    return idx, paths
+
+
+def read_records(mgr: CheckpointManager, store: Store, rm: RankManifest, wanted: set[int]) -> dict[int, Value]:
+    """Records ``wanted`` of ``rm`` read from ``store`` into fresh tensors and arrays (the caller's to keep), every
+    byte verified (see the module docstring); the files are read on the manager's io threads."""
+    recs = rm.tensors
+    by_file: dict[int, list[TensorRecord]] = {}
+    for i in sorted(wanted, key=lambda i: (recs[i].file, recs[i].offset)):
+        if recs[i].nbytes:
+            by_file.setdefault(recs[i].file, []).append(recs[i])
+    # the sizes on the store match the manifest's before anything of those sizes is allocated
+    check_sizes(store, dataclasses.replace(rm, files=tuple(rm.files[f] for f in by_file)))
+    values = {i: _empty(recs[i]) for i in wanted}
+    dests = {i: _bytes_of(values[i]) for i in wanted if recs[i].nbytes}
+    in_file = [0] * len(rm.files)
+    for rec in recs:
+        in_file[rec.file] += rec.nbytes > 0
+    jobs: list[Callable[[], None]] = []
+    for index, file_recs in by_file.items():
+        f = rm.files[index]
+        if f.compression or (store.local_path is not None and len(file_recs) == in_file[index]):
+            jobs.append(partial(_read_whole, mgr, store, rm, index, dests))
+        else:
+            jobs += [partial(_read_run, store, rm, index, run, dests) for run in _runs(file_recs)]
+    run_all(mgr._io, lambda job: job(), jobs)
+    return values
+
+
+def _empty(rec: TensorRecord) -> Value:
+    if rec.kind == "numpy":
+        return np.empty(rec.shape, dtype=CODE_TO_NUMPY[rec.dtype])
+    return torch.empty(rec.shape, dtype=CODE_TO_TORCH[rec.dtype])
+
+
+def _bytes_of(value: Value) -> memoryview:
+    """A writable view of a fresh (contiguous) tensor's or array's bytes."""
+    if isinstance(value, np.ndarray):
+        return memoryview(value.reshape(-1).view(np.uint8))
+    return byte_view(value)
+
+
+def _read_whole(mgr: CheckpointManager, store: Store, rm: RankManifest, index: int,
+                dests: dict[int, memoryview]) -> None:
+    """File ``index`` through the restore's reader: its checksum verified, its tensors' bytes in ``dests``."""
+    scratch = aligned_empty(rm.files[index].size, pin=False)  # a header only, unless the file is not scattered
+    read_file_into(store, rm, index, memoryview(scratch.numpy()), dests, hash_executor=mgr._hash)
+
+
+def _runs(recs: list[TensorRecord]) -> Iterator[list[TensorRecord]]:
+    """``recs`` (sorted by offset) cut into runs of adjacent records, each at most :data:`RUN_BYTES` (or one
+    larger record) and :data:`MAX_IOV` records."""
+    run: list[TensorRecord] = []
+    size = 0
+    for rec in recs:
+        if run and (rec.offset != run[-1].offset + run[-1].nbytes or size + rec.nbytes > RUN_BYTES
+                    or len(run) >= MAX_IOV):
+            yield run
+            run, size = [], 0
+        run.append(rec)
+        size += rec.nbytes
+    if run:
+        yield run
+
+
+def _read_run(store: Store, rm: RankManifest, index: int, run: list[TensorRecord],
+              dests: dict[int, memoryview]) -> None:
+    """Read one run of adjacent records of file ``index`` into ``dests`` and match each record's bytes, where they
+    landed, against its checksum."""
+    f = rm.files[index]
+    rel = join(layout.step_dir(rm.step), f.name)
+    start = run[0].offset
+    views = [dests[rec.index] for rec in run]
+    want = sum(v.nbytes for v in views)
+    if store.local_path is not None:
+        got = store.readinto_many(rel, start, views)
+    else:  # one record: straight into its memory; several (small) ones: into one buffer, then copied out
+        into = views[0] if len(views) == 1 else memoryview(bytearray(want))
+        got = 0
+        with ReadAhead(partial(store.readinto, rel), start, start + want, chunk=READ_CHUNK,
+                       window=store.read_concurrency, into=into) as chunks:
+            for _, chunk in chunks:
+                got += len(chunk)
+        if len(views) > 1 and got == want:
+            pos = 0
+            for v in views:
+                v[:] = into[pos : pos + v.nbytes]
+                pos += v.nbytes
+    if got != want:
+        raise ends_early_error(store, rm, index, start + got)
+    for rec, view in zip(run, views):
+        if hashing.digest(view).hex() != rec.checksum:
+            raise CorruptCheckpointError(f"checksum mismatch in {f.name} (tensor {rec.path})", step=rm.step,
+                                         tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
