@@ -60,6 +60,16 @@ from .tiers.verify import list_root
 log = logging.getLogger(__name__)
 
 
+def _record_hooks(on_record: Any) -> tuple[Callable[[SaveRecord], None], ...]:
+    """``on_record`` as a tuple of callables; ValueError for anything else."""
+    if on_record is None:
+        return ()
+    hooks = (on_record,) if callable(on_record) else on_record
+    if not isinstance(hooks, (list, tuple)) or not all(callable(h) for h in hooks):
+        raise ValueError(f"on_record must be a callable or a list of callables, got {on_record!r}")
+    return tuple(hooks)
+
+
 class CheckpointManager:
     """Asynchronous tiered checkpointing. See README.md for the tour and docs/ for the format and guarantees.
 
@@ -112,6 +122,11 @@ class CheckpointManager:
             segments instead of 4 KiB pages. False where fresh huge pages are slow, as on VMs whose balloon
             reports free memory to the host (docs/design.md).
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
+        on_record: a callable, or a list of them, given each save's :class:`SaveRecord` (stall, persist and
+            upload seconds, bytes, error, why an upload was skipped) once the save is resolved in every tier, in
+            the order the saves resolve: where a metrics exporter or a trainer's logger takes them. It runs on a
+            background thread, so keep it short; an exception it raises is logged and never affects a save.
+            ``saves.jsonl`` is written either way (``log_records``).
         rank / world_size: default from torch.distributed when initialised, else 0 / 1.
     """
 
@@ -149,6 +164,7 @@ class CheckpointManager:
         create_bucket: bool = False,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
+        on_record: Callable[[SaveRecord], None] | Sequence[Callable[[SaveRecord], None]] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -166,6 +182,7 @@ class CheckpointManager:
         )
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
+        self._on_record = _record_hooks(on_record)
         self._policy = SavePolicy(every_steps=save_every_steps, every_seconds=save_every_seconds)
         self._clock = Clock()
         self._preemption = Preemption()
@@ -740,6 +757,11 @@ class CheckpointManager:
     def _write_record(self, handle: SaveHandle) -> None:
         rec = handle.record()
         self._records.append(rec)
+        for hook in self._on_record:
+            try:
+                hook(rec)
+            except Exception as exc:  # a metrics exporter's bug never costs a checkpoint
+                log.warning("step %d: on_record hook %r raised %s: %s", rec.step, hook, type(exc).__name__, exc)
         if not self.options.log_records:
             return
         try:
