@@ -3,6 +3,7 @@
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 .venv/bin/ruff check tierckpt tests benchmarks examples
+.venv/bin/mypy  # strict type checks of format/ and storage/ (pyproject.toml [tool.mypy])
 # the native host copy (tierckpt/_hostcopy.c) is optional for users, but here it must have been built
 export TIERCKPT_EXPECT_NATIVE=1
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -20,7 +20,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def libc_function(name: str, argtypes: list[Any], restype: Any) -> Any:
+def libc_function(name: str, argtypes: list[Any] | None, restype: Any) -> Any:
     """libc's ``name`` with its C signature set, or None where there is no such function."""
     lib = _libc()
     fn = getattr(lib, name, None) if lib is not None else None

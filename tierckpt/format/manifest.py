@@ -15,6 +15,7 @@ range must lie inside its file, and every size is checked before anything of tha
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import operator
@@ -301,7 +302,8 @@ def _shard(v: Any, shape: tuple[int, ...], where: str, step: int | None, path: s
         )
     if not ok:
         raise CorruptCheckpointError(f"{where}: bad shard description {str(v)[:80]}", step=step, path=path)
-    return v
+    shard: dict[str, Any] = v
+    return shard
 
 
 def _shallow(obj: Any) -> dict[str, Any]:
@@ -317,8 +319,9 @@ def _seal(d: dict[str, Any]) -> bytes:
     canon = hashing.canonical_json(d)
     if not canon.startswith(b"{") or canon == b"{}":
         raise ValueError("a manifest is a non-empty JSON object")
-    d["checksum"] = hashing.digest(canon).hex()
-    return b'{"checksum":"' + d["checksum"].encode() + b'",' + canon[1:]
+    checksum = hashing.digest(canon).hex()
+    d["checksum"] = checksum
+    return b'{"checksum":"' + checksum.encode() + b'",' + canon[1:]
 
 
 def _unseal(raw: bytes, kind: str, *, step: int | None, path: str | None, check: bool = True) -> dict[str, Any]:
@@ -379,25 +382,25 @@ class _Getter:
             raise self._bad(key, "a non-negative integer")
         return v
 
-    def opt_int(self, key: str) -> int | None:
+    def opt_int(self, key: str) -> builtins.int | None:
         return None if self.d.get(key) is None else self.int(key)
 
     def num(self, key: str) -> float:
         v = self.d.get(key)
-        if type(v) not in (int, float):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise self._bad(key, "a number")
         return float(v)
 
-    def str(self, key: str) -> str:
+    def str(self, key: builtins.str) -> builtins.str:
         v = self.d.get(key)
         if not isinstance(v, str):
             raise self._bad(key, "a string")
         return v
 
-    def opt_str(self, key: str) -> str | None:
+    def opt_str(self, key: builtins.str) -> builtins.str | None:
         return None if self.d.get(key) is None else self.str(key)
 
-    def list(self, key: str) -> list[Any]:
+    def list(self, key: builtins.str) -> list[Any]:
         v = self.d.get(key)
         if not isinstance(v, list):
             raise self._bad(key, "a list")

@@ -78,7 +78,7 @@ def make_plan(leaves: Sequence[LeafSpec], *, file_bytes: int, min_files: int = 1
         load, part = heapq.heappop(heap)
         members[part].append(idx)
         heapq.heappush(heap, (load + leaves[idx].nbytes, part))
-    files = []
+    files: list[PlannedFile] = []
     buffer_offset = 0
     for part, idxs in enumerate(members):
         if not idxs and part > 0:

@@ -56,7 +56,7 @@ def parse_header_length(prefix: bytes, file_size: int, *, where: str = "") -> in
     """Validate the 8-byte length prefix against the file size before anything is allocated."""
     if len(prefix) < 8:
         raise CorruptCheckpointError(f"safetensors file too short for its header{where}")
-    (n,) = struct.unpack("<Q", prefix[:8])
+    n: int = struct.unpack("<Q", prefix[:8])[0]
     if n > MAX_HEADER or n + 8 > file_size:
         raise CorruptCheckpointError(f"safetensors header length {n} exceeds the file ({file_size} bytes){where}")
     return n

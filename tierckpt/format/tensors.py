@@ -30,7 +30,7 @@ TENSOR_KINDS = ("torch", "numpy")
 class TensorRecord(NamedTuple):
     """One stored tensor: where its bytes are and what they are (a tuple: a rank may have tens of thousands)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, which nothing here calls
     name: str
     path: str
     dtype: str

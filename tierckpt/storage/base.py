@@ -24,6 +24,7 @@ completed PUT / multipart completion on object stores).
 from __future__ import annotations
 
 import abc
+import builtins
 import mmap
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -59,7 +60,7 @@ class WriteStream(abc.ABC):
     def __enter__(self) -> WriteStream:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -111,7 +112,7 @@ class Store(abc.ABC):
     def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at end of file)."""
 
-    def readinto_many(self, rel: str, offset: int, bufs: list[memoryview]) -> int:
+    def readinto_many(self, rel: str, offset: int, bufs: builtins.list[memoryview]) -> int:
         """Fill ``bufs`` in order from ``offset`` (a vectored read); returns the bytes read (fewer only at end of
         file). Stores with a local path do this in one ``preadv``; the default reads buffer by buffer."""
         total = 0
@@ -201,7 +202,8 @@ class Store(abc.ABC):
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - optional hook
         """Make the folder's entries durable (POSIX fsync of the directory); a no-op where it means nothing."""
 
-    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
+    def discard_unfinished_uploads(self, *, dry_run: bool = False,
+                                   older_than_s: float | None = None) -> builtins.list[str]:
         """Abort the uploads under the root that were started and never completed or aborted (S3's multipart
         uploads of a writer that was killed: invisible, but stored and billed), or with ``dry_run`` only name them;
         returns a line per upload. ``older_than_s``: only uploads started at least that long ago (a younger one,

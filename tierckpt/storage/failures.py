@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import (
     CheckpointError,
@@ -125,7 +125,7 @@ def bounded(fn: Callable[[], T], *, timeout_s: float | None, what: str, tier: st
     if timeout_s is None:
         with translated(what, tier=tier, url=url):
             return fn()
-    box: list = []
+    box: list[tuple[bool, Any]] = []
     done = threading.Event()
 
     def run() -> None:
@@ -142,7 +142,7 @@ def bounded(fn: Callable[[], T], *, timeout_s: float | None, what: str, tier: st
                                   tier=tier, path=url, transient=True)
     ok, value = box[0]
     if ok:
-        return value
+        return value  # type: ignore[no-any-return]
     err = translate(value, op=what, tier=tier, url=url)
     if err is value:
         raise value

@@ -21,6 +21,7 @@ Each wrapper's ``OPS`` holds its names; a plan that names any other operation ra
 
 from __future__ import annotations
 
+import builtins
 import random
 import threading
 import time
@@ -68,7 +69,7 @@ class FaultPlan:
                                  f"known: {', '.join(sorted(known))}")
         self.fail: dict[str, set[int] | str] = {}
         for op, which in (fail or {}).items():
-            self.fail[op] = "all" if which == "all" else {int(n) for n in which}  # type: ignore[union-attr]
+            self.fail[op] = "all" if which == "all" else {int(n) for n in which}
         self.fail_fraction = fail_fraction
         self.fraction_ops = set(fraction_ops) if fraction_ops is not None else None
         self.stall: dict[str, tuple[float, set[int] | None]] = {}
@@ -147,7 +148,8 @@ class _FaultyReader:
 
     def readinto(self, b: Any) -> int:
         self._plan.hit("read")
-        return self._inner.readinto(b)  # type: ignore[attr-defined]
+        n: int = self._inner.readinto(b)  # type: ignore[attr-defined]
+        return n
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -263,7 +265,8 @@ class FaultyStore(Store):
         self.plan.hit("sync_dir")
         self.inner.sync_dir(rel)
 
-    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
+    def discard_unfinished_uploads(self, *, dry_run: bool = False,
+                                   older_than_s: float | None = None) -> builtins.list[str]:
         return self.inner.discard_unfinished_uploads(dry_run=dry_run, older_than_s=older_than_s)
 
     def modified_times(self) -> dict[str, float | None]:

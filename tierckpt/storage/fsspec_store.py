@@ -29,6 +29,7 @@ Invariants and choices:
 
 from __future__ import annotations
 
+import builtins
 import errno
 import io
 import logging
@@ -258,7 +259,7 @@ class FsspecStore(Store):
         self, url: str, scheme: str, options: dict[str, Any], request_timeout_s: float | None
     ) -> tuple[Any, str]:
         try:
-            import fsspec.core
+            import fsspec.core  # type: ignore[import-untyped]
         except ImportError as exc:  # pragma: no cover - fsspec is a dependency
             raise StorageError("remote tiers need fsspec: pip install fsspec", tier=self.tier, path=self.url) from exc
         options.setdefault("skip_instance_cache", True)
@@ -305,7 +306,8 @@ class FsspecStore(Store):
     def _cat(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file, short at its end (S3 refuses a range that starts at or past EOF)."""
         try:
-            return self.fs.cat_file(path, start=start, end=end)
+            data: bytes = self.fs.cat_file(path, start=start, end=end)
+            return data
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) or exc.errno != errno.EINVAL:
                 raise
@@ -372,7 +374,7 @@ class FsspecStore(Store):
         return n
 
     def open_read(self, rel: str) -> BinaryIO:
-        return io.BufferedReader(_RangeReader(self, rel), buffer_size=min(self.part_size, 8 << 20))  # type: ignore[return-value]
+        return io.BufferedReader(_RangeReader(self, rel), buffer_size=min(self.part_size, 8 << 20))
 
     # --- writing -----------------------------------------------------------------------------------------------
     def makedirs(self, rel: str) -> None:
@@ -413,7 +415,8 @@ class FsspecStore(Store):
         finally:
             self._invalidate(p)
 
-    def discard_unfinished_uploads(self, *, dry_run: bool = False, older_than_s: float | None = None) -> list[str]:
+    def discard_unfinished_uploads(self, *, dry_run: bool = False,
+                                   older_than_s: float | None = None) -> builtins.list[str]:
         if not self._s3_requests:
             return []
         lines = []

@@ -28,6 +28,7 @@ between the two leaves the complete new folder under its ``.tmp-`` name, which s
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import logging
@@ -89,12 +90,12 @@ _cachestat_works = [_syscall is not None]
 def _cachestat(fd: int, offset: int, length: int) -> int | None:
     """How many pages of ``[offset, offset + length)`` of ``fd`` are in the page cache, from ``cachestat(2)``;
     None where the kernel lacks it (then it is not asked again) or refuses this file."""
-    if not _cachestat_works[0]:
+    if _syscall is None or not _cachestat_works[0]:
         return None
     rng, out = _CachestatRange(offset, length), _Cachestat()
     if _syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(out),
                 ctypes.c_uint(0)) == 0:
-        return out.nr_cache
+        return int(out.nr_cache)
     if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter that forbids it
         _cachestat_works[0] = False
     return None
@@ -349,7 +350,7 @@ class LocalStore(Store):
             os.close(fd)
         return n + (self.readinto(rel, offset + n, buf[head:]) if head < buf.nbytes else 0)
 
-    def readinto_many(self, rel: str, offset: int, bufs: list[memoryview]) -> int:
+    def readinto_many(self, rel: str, offset: int, bufs: builtins.list[memoryview]) -> int:
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             return preadv_into(fd, offset, bufs)

@@ -163,7 +163,7 @@ class RetryPolicy:
         d = min(self.max_delay_s, self.base_delay_s * (2 ** (retry - 1)))
         if self.jitter:
             d *= 1.0 - self.jitter * (rng or random).random()
-        return d
+        return float(d)
 
     def call(
         self,

@@ -255,13 +255,14 @@ class S3MultipartStream(WriteStream):
                 failed = None
 
 
-def unfinished_uploads(fs: Any, root: str, *, page_size: int = 1000, with_start: bool = False) -> list[tuple]:
+def unfinished_uploads(fs: Any, root: str, *, page_size: int = 1000,
+                       with_start: bool = False) -> list[tuple[Any, ...]]:
     """(bucket, key, upload id) of every multipart upload in progress under folder ``root`` (``bucket/prefix``),
     all pages of S3's listing (``page_size`` uploads a request, S3's most). ``with_start``: a fourth element, when
     the upload was started (seconds since the epoch; None if S3 does not say)."""
     bucket, prefix, _ = fs.split_path(root)
     prefix = prefix.rstrip("/") + "/" if prefix else ""  # run-4/ must not match run-42/
-    found: list[tuple] = []
+    found: list[tuple[Any, ...]] = []
     markers: dict[str, str] = {}
     while True:
         out = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, MaxUploads=page_size, **markers)
