@@ -1,0 +1,355 @@
+"""A Lightning ``CheckpointIO`` plug-in that saves through a :class:`~tierckpt.CheckpointManager` (docs/lightning.md).
+
+```python
+from tierckpt.lightning import TieredCheckpointIO
+io = TieredCheckpointIO("/local_nvme/ckpt", remote="s3://bucket/run", keep_local=2)
+trainer = L.Trainer(plugins=[io], callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=50, save_last=True)])
+trainer.fit(model, ckpt_path="last")
+```
+
+How Lightning's paths map to tierckpt steps:
+
+- ``save_checkpoint(checkpoint, path)`` saves ``checkpoint`` as step ``checkpoint["global_step"]`` (asynchronously:
+  it returns once the snapshot is copied; no ``AsyncCheckpointIO`` is needed) and writes a small JSON *marker* at
+  ``path`` (``{"tierckpt_step": N, "root": ..., ...}``, never the weights), so that Lightning's own bookkeeping
+  (``ckpt_path="last"`` looks for ``last*.ckpt`` files, ``ModelCheckpoint`` checks files exist) sees a file.
+- A second save at the same step (Lightning saves the step's file and then ``last.ckpt``) makes no second
+  checkpoint: it writes only its marker. What differs between the two calls' dicts in ``checkpoint["callbacks"]``
+  (``ModelCheckpoint`` sets ``last_model_path`` before saving ``last.ckpt``) is kept in that marker, exactly (small
+  tensors as their bytes), and put back when that path is loaded, so each path loads what Lightning gave for it.
+- ``load_checkpoint(path)``: a path whose file name is ``last.ckpt`` / ``last-vN.ckpt`` loads the newest intact
+  step (``mgr.load()``: a corrupt or missing copy falls back to the other tier, then to the next older step, with a
+  warning naming the files). Any other path loads its marker's step (or, without a marker, the step this process
+  saved under that path, or ``step=N`` parsed from the file name); when no copy of that step is intact, the newest
+  intact older step is loaded, with a warning.
+- ``remove_checkpoint(path)`` (``ModelCheckpoint``'s top-k deletions) removes the marker only; the step's data is
+  left to tierckpt's retention (``keep_local`` / ``keep_remote``), which never deletes a tier's newest step nor a
+  step not yet replicated beyond ``max_upload_backlog``. A marker whose step retention deleted no longer loads.
+- Resuming from an older step than the newest committed one (an explicit path, ``"best"``) and training on: the
+  first save after it calls ``mgr.rollback_to(<loaded step>)``, which sets the newer steps aside (kept, never
+  restored) with a warning, as Lightning would overwrite their files.
+
+What the checkpoint dict may hold: what :mod:`tierckpt.snapshot.tree` stores (no pickling). Lightning's own
+entries (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``, ``callbacks`` with keys such as
+``"ModelCheckpoint{...}"``, ``pytorch-lightning_version``, ``hparams_name``, ``hyper_parameters``) store as they
+are; ``AttributeDict`` and other ``Mapping`` subclasses come back as plain ``dict`` (Lightning reads them as
+mappings). A value of any other type (an arbitrary object in ``save_hyperparameters()``) raises ``TypeError``
+naming its key path.
+
+Processes: Lightning calls ``save_checkpoint`` / ``remove_checkpoint`` on global rank 0 only (the replicas of DDP
+hold the same state), so the manager is one single-rank manager (``rank=0, world_size=1``) in that process. Loading
+(``load_checkpoint`` runs on every rank) is supported in a single-process job; in a multi-process job a non-zero rank
+raises ``NotImplementedError`` (it cannot open rank 0's locked folder). FSDP and ModelParallel strategies bypass
+``CheckpointIO`` for sharded checkpoints (they write torch.distributed.checkpoint folders themselves): use tierckpt's
+own manager per rank with the DTensor state (docs/distributed.md) there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RollbackError
+from .manager import CheckpointManager
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+except ImportError:  # the standalone pytorch_lightning package
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+    from lightning_fabric.utilities.cloud_io import get_filesystem  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TieredCheckpointIO"]
+
+MARKER_KEY = "tierckpt_step"
+#: Tensors larger than this in a differing callback state are not kept in a marker (see :meth:`_overrides`).
+MAX_OVERRIDE_TENSOR_BYTES = 1 << 16
+_LAST_NAME = re.compile(r"^last(-v?\d+)?$")
+_STEP_IN_NAME = re.compile(r"step=(\d+)")
+
+
+class TieredCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` saving asynchronously to tierckpt's local and remote tiers.
+
+    Args:
+        local_dir, remote, **manager_options: as :class:`~tierckpt.CheckpointManager`; the manager is created on
+            first use (and again after :meth:`teardown`). ``rank`` / ``world_size`` default to 0 / 1: Lightning
+            saves from global rank 0 only.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike[str], remote: str | os.PathLike[str] | None = None,
+                 **manager_options: Any) -> None:
+        super().__init__()
+        self.local_dir = os.fspath(local_dir)
+        self.remote = None if remote is None else os.fspath(remote) if isinstance(remote, os.PathLike) else remote
+        self.manager_options = dict(manager_options)
+        self._mgr: CheckpointManager | None = None
+        self._paths: dict[str, int] = {}  # path -> step, saved by this process
+        self._last: tuple[int, dict] | None = None  # (step, copy of the callbacks state of its first save)
+        self._loaded_step: int | None = None
+        self.last_handle = None  # the SaveHandle of the newest save (tests, callers wanting handle.persisted)
+
+    # ------------------------------------------------------------------------------------------------ manager
+    @property
+    def manager(self) -> CheckpointManager:
+        """The manager, created on first use."""
+        if self._mgr is None:
+            opts = dict(self.manager_options)
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0:
+                raise NotImplementedError(
+                    "TieredCheckpointIO: only global rank 0 uses the checkpoint folder (Lightning saves from rank "
+                    f"0 only); rank {dist.get_rank()} cannot load from it. Multi-process resume is not "
+                    "supported by this plug-in (docs/lightning.md)")
+            opts.setdefault("rank", 0)
+            opts.setdefault("world_size", 1)
+            self._mgr = CheckpointManager(self.local_dir, self.remote, **opts)
+        return self._mgr
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TieredCheckpointIO.save_checkpoint does not take storage_options (set the manager's "
+                            "storage_options when creating the plug-in)")
+        step = checkpoint.get("global_step")
+        if type(step) is not int or step < 0:
+            raise ValueError(f"the checkpoint's global_step must be a non-negative int, got {step!r}")
+        path = _norm(path)
+        overrides: dict[str, Any] = {}
+        if self._last is not None and self._last[0] == step:
+            overrides = self._overrides(self._last[1], checkpoint.get("callbacks"), path)
+        else:
+            mgr = self.manager
+            metadata = {"lightning_path": path, "global_step": step, "epoch": _json_int(checkpoint.get("epoch"))}
+            try:
+                handle = mgr.save(step, checkpoint, metadata=metadata)
+            except RollbackError:
+                if self._loaded_step is None or step <= self._loaded_step:
+                    raise
+                log.warning("TieredCheckpointIO: training resumed from step %d and saves step %d; the newer steps of "
+                            "the abandoned run are set aside (kept, never restored)", self._loaded_step, step)
+                mgr.rollback_to(self._loaded_step)
+                handle = mgr.save(step, checkpoint, metadata=metadata)
+            except TypeError as exc:
+                raise TypeError(f"TieredCheckpointIO: Lightning's checkpoint for {path} holds a value tierckpt "
+                                f"cannot store (nothing is pickled): {exc}") from exc
+            self.last_handle = handle
+            self._last = (step, _copy_tree(checkpoint.get("callbacks")))
+        self._paths[path] = step
+        marker = {MARKER_KEY: step, "root": os.path.abspath(self.local_dir), "remote": self.remote}
+        if overrides:
+            marker["callbacks"] = overrides
+        _write_marker(path, marker)
+
+    def _overrides(self, first: Any, now: Any, path: str) -> dict[str, Any]:
+        """The entries of ``callbacks`` that differ from the first save of this step, encoded for the marker."""
+        if not isinstance(now, Mapping) or not isinstance(first, Mapping):
+            return {}
+        out = {}
+        for key, value in now.items():
+            if key in first and _equal(first[key], value):
+                continue
+            try:
+                out[str(key)] = _encode(value)
+            except (TypeError, ValueError) as exc:
+                log.warning("TieredCheckpointIO: the state of callback %s differs in the second save at this step "
+                            "(%s) and cannot be kept in its marker (%s); loading %s gives the step's first one", key,
+                            path, exc, path)
+        return out
+
+    # ------------------------------------------------------------------------------------------------ load
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        path = _norm(path)
+        marker = _read_marker(path)
+        mgr = self.manager
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if _LAST_NAME.match(stem):
+            result = mgr.load()  # the newest intact step, with the other tier / older step fallback
+        else:
+            if marker is not None:
+                step = marker[MARKER_KEY]
+            elif path in self._paths:
+                step = self._paths[path]
+            else:
+                m = _STEP_IN_NAME.search(os.path.basename(path))
+                if m is None:
+                    raise FileNotFoundError(f"TieredCheckpointIO: {path} is neither a tierckpt marker file nor a name "
+                                            "with step=N, and no save of this process used it")
+                step = int(m.group(1))
+            result = self._load_at_or_below(mgr, step, path)
+        state = result.state
+        if marker is not None and marker.get(MARKER_KEY) == result.step and marker.get("callbacks"):
+            callbacks = state.setdefault("callbacks", {})
+            for key, value in marker["callbacks"].items():
+                callbacks[key] = _decode(value)
+        if isinstance(map_location, (str, torch.device)):
+            state = _to(state, torch.device(map_location))
+        self._loaded_step = result.step
+        return state
+
+    @staticmethod
+    def _load_at_or_below(mgr: CheckpointManager, step: int, path: str):
+        try:
+            return mgr.load(step)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            first = exc
+        older = sorted((s.step for s in mgr.steps() if s.step < step), reverse=True)
+        for s in older:
+            try:
+                result = mgr.load(s)
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                continue
+            log.warning("TieredCheckpointIO: %s points to step %d, which no tier holds intact (%s); loaded step %d "
+                        "instead", path, step, first, s)
+            return result
+        raise CheckpointError(f"{path} points to step {step}, which no tier holds intact ({first}), and no older "
+                              "step loads", step=step, path=path) from first
+
+    # ------------------------------------------------------------------------------------------------ remove, teardown
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the marker file only; the step's data is left to tierckpt's retention."""
+        path = _norm(path)
+        self._paths.pop(path, None)
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+    def teardown(self) -> None:
+        """Wait until every save is durable on every tier and release the folder (a later use opens it again)."""
+        mgr, self._mgr = self._mgr, None
+        self._last = None
+        if mgr is not None:
+            mgr.close()
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _norm(path: Any) -> str:
+    path = os.fspath(path)
+    return path if "://" in path else os.path.normpath(path)
+
+
+def _json_int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _write_marker(path: str, marker: dict[str, Any]) -> None:
+    data = json.dumps(marker, allow_nan=False)
+    if "://" in path and not path.startswith("file://"):
+        fs = get_filesystem(path)
+        with fs.open(path, "w") as f:
+            f.write(data)
+        return
+    local = path.removeprefix("file://")
+    os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+    tmp = f"{local}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(data)
+    os.replace(tmp, local)
+
+
+def _read_marker(path: str) -> dict[str, Any] | None:
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as f:
+        head = f.read(1 << 20)
+    try:
+        marker = json.loads(head)
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"TieredCheckpointIO: {path} is not a tierckpt marker (a checkpoint written by another "
+                         "CheckpointIO? this plug-in never unpickles)") from None
+    if not isinstance(marker, dict) or type(marker.get(MARKER_KEY)) is not int:
+        raise ValueError(f"TieredCheckpointIO: {path} is not a tierckpt marker")
+    return marker
+
+
+def _copy_tree(obj: Any) -> Any:
+    """A copy of a small tree, tensors cloned (Lightning's objects change after save_checkpoint returns)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_tree(v) for v in obj) if type(obj) in (list, tuple) else [_copy_tree(v) for v in obj]
+    return obj
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a.hex() == b.hex()
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _encode(obj: Any) -> Any:
+    """Exact JSON for a small callback state: None/bool/int/str as themselves, the rest tagged."""
+    if obj is None or isinstance(obj, (bool, str)) or type(obj) is int:
+        return obj
+    if isinstance(obj, float):
+        return {"$float": obj.hex()}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
+        if nbytes > MAX_OVERRIDE_TENSOR_BYTES or t.layout is not torch.strided or t.is_quantized:
+            raise ValueError(f"a {tuple(t.shape)} {t.dtype} tensor is too large or unusual for a marker")
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
+        return {"$tensor": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "hex": raw.hex()}
+    if isinstance(obj, Mapping):
+        return {"$dict": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    if type(obj) is list:
+        return [_encode(v) for v in obj]
+    if type(obj) is tuple:
+        return {"$tuple": [_encode(v) for v in obj]}
+    raise TypeError(f"a value of type {type(obj).__name__}")
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "$float" in obj:
+        return float.fromhex(obj["$float"])
+    if "$tensor" in obj:
+        dtype = getattr(torch, obj["$tensor"])
+        raw = bytes.fromhex(obj["hex"])
+        if not raw:
+            return torch.empty(obj["shape"], dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(obj["shape"]).clone()
+    if "$dict" in obj:
+        return {_decode(k): _decode(v) for k, v in obj["$dict"]}
+    if "$tuple" in obj:
+        return tuple(_decode(v) for v in obj["$tuple"])
+    raise ValueError(f"unknown marker value {obj!r}")
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _to(v, device)
+        return obj
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to(v, device) for v in obj)
+    return obj
