@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -136,50 +137,40 @@ class CheckpointManager:
         remote: str | os.PathLike[str] | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
-        keep_local: int = 2,
-        keep_remote: int | None = None,
-        keep_every: int | None = None,
-        writer_threads: int = 2,
-        staging_buffers: int = 1,
-        file_size_mb: int = 512,
-        upload_threads: int = 4,
-        upload_bandwidth_mbps: float | None = None,
-        upload_deadline_s: float | None = 3600.0,
-        upload_part_mb: int = 16,
-        remote_compression: str | None = None,
-        verify_uploads: bool = False,
-        remote_read_concurrency: int = 8,
-        remote_write_concurrency: int = 8,
-        cache_remote_restores: bool = False,
-        pin_memory: bool | None = None,
-        log_records: bool = True,
-        lazy_snapshot: bool = False,
-        direct_io: bool = True,
-        remote_direct_io: bool | None = None,
-        overlap_writes: bool | None = None,
-        huge_pages: bool | None = None,
-        collective_timeout_s: float = 600.0,
-        remote_timeout_s: float = 30.0,
-        max_upload_backlog: int = 2,
-        create_bucket: bool = False,
+        keep_local: int = Options.keep_local,
+        keep_remote: int | None = Options.keep_remote,
+        keep_every: int | None = Options.keep_every,
+        writer_threads: int = Options.writer_threads,
+        staging_buffers: int = Options.staging_buffers,
+        file_size_mb: int = Options.file_size_mb,
+        upload_threads: int = Options.upload_threads,
+        upload_bandwidth_mbps: float | None = Options.upload_bandwidth_mbps,
+        upload_deadline_s: float | None = Options.upload_deadline_s,
+        upload_part_mb: int = Options.upload_part_mb,
+        remote_compression: str | None = Options.remote_compression,
+        verify_uploads: bool = Options.verify_uploads,
+        remote_read_concurrency: int = Options.remote_read_concurrency,
+        remote_write_concurrency: int = Options.remote_write_concurrency,
+        cache_remote_restores: bool = Options.cache_remote_restores,
+        pin_memory: bool | None = Options.pin_memory,
+        log_records: bool = Options.log_records,
+        lazy_snapshot: bool = Options.lazy_snapshot,
+        direct_io: bool = Options.direct_io,
+        remote_direct_io: bool | None = Options.remote_direct_io,
+        overlap_writes: bool | None = Options.overlap_writes,
+        huge_pages: bool | None = Options.huge_pages,
+        collective_timeout_s: float = Options.collective_timeout_s,
+        remote_timeout_s: float = Options.remote_timeout_s,
+        max_upload_backlog: int = Options.max_upload_backlog,
+        create_bucket: bool = Options.create_bucket,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
         on_record: Callable[[SaveRecord], None] | Sequence[Callable[[SaveRecord], None]] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        self.options = Options(
-            keep_local=keep_local, keep_remote=keep_remote, keep_every=keep_every, writer_threads=writer_threads,
-            staging_buffers=staging_buffers, file_size_mb=file_size_mb, upload_threads=upload_threads,
-            upload_bandwidth_mbps=upload_bandwidth_mbps, upload_deadline_s=upload_deadline_s,
-            upload_part_mb=upload_part_mb, remote_compression=remote_compression, verify_uploads=verify_uploads,
-            remote_read_concurrency=remote_read_concurrency, remote_write_concurrency=remote_write_concurrency,
-            cache_remote_restores=cache_remote_restores,
-            pin_memory=pin_memory, log_records=log_records, collective_timeout_s=collective_timeout_s,
-            lazy_snapshot=lazy_snapshot, direct_io=direct_io, remote_direct_io=remote_direct_io,
-            overlap_writes=overlap_writes, huge_pages=huge_pages, remote_timeout_s=remote_timeout_s,
-            max_upload_backlog=max_upload_backlog, create_bucket=create_bucket,
-        )
+        given = locals()
+        self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
         self._on_record = _record_hooks(on_record)

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .storage.fsspec_store import DEFAULT_PART_SIZE
+
 
 @dataclass(frozen=True)
 class Options:
@@ -18,7 +20,7 @@ class Options:
     upload_threads: int = 4
     upload_bandwidth_mbps: float | None = None
     upload_deadline_s: float | None = 3600.0
-    upload_part_mb: int = 16
+    upload_part_mb: int = DEFAULT_PART_SIZE >> 20
     remote_compression: str | None = None
     verify_uploads: bool = False
     remote_read_concurrency: int = 8

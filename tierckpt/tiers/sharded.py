@@ -115,10 +115,10 @@ def _rank_of(name: str) -> int | None:
 def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> RankRef:
     """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job);
     returns the reference to the rank manifest written (its name, size and checksum)."""
-    from .uploader import TokenBucket, _bytes_job, _Ctx, _file_job, _run_all, _StepFailed
+    from .uploader import DEFAULT_CHUNK, TokenBucket, _bytes_job, _Ctx, _file_job, _run_all, _StepFailed
 
     threads = opts.get("threads", 4)
-    part_size = opts.get("part_size", 8 << 20)
+    part_size = opts.get("part_size", DEFAULT_CHUNK)
     bw = opts.get("bandwidth_bytes_per_s")
     deadline_s = opts.get("deadline_s")
     ctx = _Ctx(step, remote, opts.get("retry") or RetryPolicy(),

@@ -40,6 +40,7 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, RankRef, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for, read_step_manifest
+from ..storage.fsspec_store import DEFAULT_PART_SIZE
 from ..storage.readahead import ReadAhead, each
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy, is_transient
 from .reader import check_sizes, read_manifests, segment_ends
@@ -47,8 +48,8 @@ from .reader import check_sizes, read_manifests, segment_ends
 log = logging.getLogger(__name__)
 
 #: Bytes read from the local file, compressed and written per call: also the granularity of the bandwidth cap
-#: and of cancel/deadline checks.
-DEFAULT_CHUNK = 8 << 20
+#: and of cancel/deadline checks. The manager's ``upload_part_mb`` and ``tierckpt sync`` default to the same size.
+DEFAULT_CHUNK = DEFAULT_PART_SIZE
 _POLL_S = 0.05
 
 
