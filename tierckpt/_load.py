@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from .format import hashing, layout
 from .format.manifest import RankManifest, TensorRecord
 from .snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
@@ -44,7 +44,7 @@ from .snapshot.loaded import byte_view
 from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.readahead import ReadAhead
-from .tiers.listing import TierListings
+from .tiers.listing import TierListings, first_intact
 from .tiers.reader import (
     MAX_IOV,
     READ_CHUNK,
@@ -99,49 +99,10 @@ def load(mgr: CheckpointManager, step: int | None, tiers: list[Store], *, keys: 
     Raises :class:`CheckpointNotFoundError` when no tier holds a step (or ``step``), or every copy went missing
     while it was read; :class:`CorruptCheckpointError` when copies exist but none verifies;
     :class:`StateMismatchError` (a ``KeyError``) for a key of ``keys`` the step does not hold."""
-    listings = {store.tier: listing.steps.get(store.tier, set()) for store in tiers}
-    urls = ", ".join(t.url for t in tiers)
-    candidates = [step] if step is not None else sorted(listing.known(), reverse=True)
-    if not candidates:
-        raise CheckpointNotFoundError("no committed checkpoint in any tier", tier="+".join(listings) or None,
-                                      path=urls)
-    failures: list[CheckpointError] = []
-    for s in candidates:
-        holders = [store for store in tiers if s in listings[store.tier]]
-        for store in holders:
-            try:
-                state, metadata = load_copy(mgr, store, s, keys)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                exc.step = s if exc.step is None else exc.step
-                exc.tier = exc.tier or store.tier
-                failures.append(exc)
-                what = "corrupt" if isinstance(exc, CorruptCheckpointError) else "missing"
-                log.warning("load: step %d in tier %s is %s (%s); files: %s; trying the next copy", s, store.tier,
-                            what, exc, ", ".join(getattr(exc, "bad_files", ())) or "?")
-                continue
-            if failures:
-                log.warning("load: loaded step %d from tier %s (%s) after skipping %d copies", s, store.tier,
-                            store.url, len(failures))
-            else:
-                log.info("load: loaded step %d from tier %s (%s)", s, store.tier, store.url)
-            return LoadResult(s, store.tier, state, metadata)
-        if step is not None:
-            if not holders:
-                raise CheckpointNotFoundError("no tier holds this step", step=s, tier="+".join(listings) or None,
-                                              path=urls)
-            raise _none_loads("no copy of this step loads: " + "; ".join(map(str, failures)), failures, s,
-                              "+".join(h.tier for h in holders))
-    raise _none_loads(f"no committed step ({len(candidates)}) loads; newest error: {failures[0]}", failures,
-                      candidates[0], failures[0].tier)
-
-
-def _none_loads(msg: str, failures: list[CheckpointError], step: int, tier: str | None) -> CheckpointError:
-    """The error when every copy failed: corrupt if any copy was, else not found (all went missing meanwhile)."""
-    bad = [f for e in failures for f in getattr(e, "bad_files", ())]
-    path = failures[-1].path if failures else None
-    if any(isinstance(e, CorruptCheckpointError) for e in failures):
-        return CorruptCheckpointError(msg, step=step, tier=tier, path=path, bad_files=bad)
-    return CheckpointNotFoundError(msg, step=step, tier=tier, path=path)
+    s, store, (state, metadata) = first_intact(
+        lambda store, s: load_copy(mgr, store, s, keys), tiers, listing.steps, step, what="load",
+        skip=(CorruptCheckpointError, CheckpointNotFoundError), verb="loads")
+    return LoadResult(s, store.tier, state, metadata)
 
 
 def load_copy(mgr: CheckpointManager, store: Store, step: int, keys: Sequence[str] | None) -> tuple[dict, Any]:

@@ -42,7 +42,7 @@ from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
-from .tiers.listing import TierListings
+from .tiers.listing import TierListings, first_intact
 from .tiers.reader import PendingLoad, Prefetch, buffer_layout, fetch_file, read_ranks, read_step, start_load
 from .tiers.undo import UndoLog
 
@@ -75,46 +75,15 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
     """Load the newest intact step of ``listing`` (or exactly ``step``) from ``tiers``; see the module docstring.
     ``listing`` is the tiers' committed steps; a tier that could not be listed was checked by the caller
     (:meth:`TierListings.require`)."""
-    listings = {store.tier: listing.steps.get(store.tier, set()) for store in tiers}
-    known = listing.known()
-    if step is not None:
-        candidates = [step]
-    else:
-        candidates = sorted(known, reverse=True)
-        if not candidates:
-            return None
-    failures: list[CorruptCheckpointError] = []
-    for s in candidates:
-        holders = [store for store in tiers if s in listings[store.tier]]
-        for store in holders:
-            try:
-                prepare(mgr, store, s, state, strict, in_place=in_place).apply()
-            except CorruptCheckpointError as exc:
-                exc.step = s if exc.step is None else exc.step
-                exc.tier = exc.tier or store.tier
-                failures.append(exc)
-                log.warning("restore: step %d in tier %s is corrupt (%s); files: %s; trying the next copy",
-                            s, store.tier, exc, ", ".join(exc.bad_files) or "?")
-                continue
-            if failures:
-                log.warning("restore: loaded step %d from tier %s after skipping %d corrupt copies", s, store.tier, len(failures))
-            else:
-                log.info("restore: loaded step %d from tier %s (%s)", s, store.tier, store.url)
-            return s
-        if step is not None:
-            if not holders:
-                raise CheckpointNotFoundError("no tier holds this step", step=s, tier="+".join(listings) or None,
-                                              path=", ".join(t.url for t in tiers))
-            bad = [f for e in failures for f in e.bad_files]
-            raise CorruptCheckpointError(
-                "no copy of this step verifies: " + "; ".join(str(e) for e in failures) + _overwritten(in_place),
-                step=s, bad_files=bad,
-                tier="+".join(h.tier for h in holders), path=failures[-1].path if failures else holders[0].url)
-    bad = [f for e in failures for f in e.bad_files]
-    raise CorruptCheckpointError(
-        f"every committed step ({len(candidates)}) failed verification; newest error: {failures[0]}"
-        + _overwritten(in_place),
-        step=candidates[0], bad_files=bad, tier=failures[0].tier, path=failures[0].path)
+    if step is None and not listing.known():
+        return None
+
+    def attempt(store: Store, s: int) -> None:
+        prepare(mgr, store, s, state, strict, in_place=in_place).apply()
+
+    found, _store, _ = first_intact(attempt, tiers, listing.steps, step, what="restore",
+                                    suffix=_overwritten(in_place))
+    return found
 
 
 def _overwritten(in_place: bool) -> str:

@@ -1,8 +1,8 @@
-"""The operators' CLI: ``tierckpt ls|verify|inspect|sync|pull|prune``, on local folders and remote URLs.
+"""The operators' CLI: ``tierckpt ls|verify|inspect|sync|pull|prune|export``, on local folders and remote URLs.
 
 The commands live in :mod:`.readonly` (``ls``, ``verify``, ``inspect``), :mod:`.remote` (``sync``, ``pull``) and
-:mod:`.prune`, on the helpers of :mod:`._common`; this module builds the parser and maps what a command raises to
-its exit code. None of it imports torch.
+:mod:`.prune`, ``export`` in :mod:`.export`, on the helpers of :mod:`._common`; this module builds the parser and
+maps what a command raises to its exit code. None of it imports torch but ``export`` when it runs.
 
 Exit codes (every command):
 
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
     remote.add_commands(sub)
     prune.add_commands(sub)
+    from . import export  # torch is imported only when `export` runs
+
+    export.add_commands(sub)
     return p
 
 
