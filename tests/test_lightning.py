@@ -216,3 +216,37 @@ def test_save_returns_before_the_write_is_durable(tmp_path):
     assert not (tmp_path / "ckpts" / "a.ckpt").exists()
     assert [s.step for s in io2.manager.steps()] == [5]
     io2.teardown()
+
+
+def _ddp(phase: str, out, remote: str | None = None) -> list[dict]:
+    """Run a phase of tests/_lightning_ddp.py (2 DDP processes on CPU) and return each rank's result."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "_lightning_ddp.py")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, script, phase, str(out), *([remote] if remote else [])], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.load(open(os.path.join(out, f"{phase}-r{r}.json"))) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wipe_local", [False, True], ids=["same-node", "remote-only"])
+def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local):
+    """A 2-process DDP job saves through the plug-in (rank 0) and a new job resumes from "last" on both ranks: rank
+    1 reads rank 0's folder without its lock (or the remote when that folder is gone), and both end with the
+    weights of an uninterrupted run."""
+    import shutil
+
+    remote = str(tmp_path / "remote")
+    _ddp("fit", tmp_path, remote)
+    if wipe_local:
+        shutil.rmtree(tmp_path / "local")
+    resumed = _ddp("resume", tmp_path, remote)
+    straight = _ddp("straight", tmp_path)
+    for r in range(2):
+        assert resumed[r]["loaded_step"] == 4 and resumed[r]["global_step"] == 8, resumed[r]
+        assert resumed[r]["weights"] == straight[r]["weights"], f"rank {r} diverged from the uninterrupted run"

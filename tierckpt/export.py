@@ -34,7 +34,6 @@ import os
 import re
 import struct
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 from . import _load
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .format import layout
+from .readonly import Reader
 from .snapshot.dtypes import CODE_TO_TORCH, TORCH_TO_CODE
 from .snapshot.load import decode_tree
 from .snapshot.loaded import byte_view
@@ -150,7 +150,7 @@ def export_weights(
     stores, only = _open_tiers(root_or_url, remote, storage_options)
     if step is None:
         step = only
-    reader = _Reader(threads)
+    reader = Reader(threads=threads)
     try:
         urls = ", ".join(s.url for s in stores)
         listing = list_tiers(stores, deadline_s=timeout_s)
@@ -167,20 +167,6 @@ def export_weights(
 
 
 # ---------------------------------------------------------------------------------------------------------- reading
-
-
-class _Reader:
-    """What the loader's readers need of a manager: its rank and its io and hashing threads."""
-
-    rank = 0
-
-    def __init__(self, threads: int) -> None:
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-export-io")
-        self._hash = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-export-hash")
-
-    def close(self) -> None:
-        self._io.shutdown(wait=True)
-        self._hash.shutdown(wait=True)
 
 
 def _open_tiers(root: str | os.PathLike[str], remote: str | os.PathLike[str] | None,
@@ -211,7 +197,7 @@ def _open_tiers(root: str | os.PathLike[str], remote: str | os.PathLike[str] | N
     return stores, only
 
 
-def _load_weights(reader: _Reader, stores: list[Store], step: int | None, key: str,
+def _load_weights(reader: Reader, stores: list[Store], step: int | None, key: str,
                   listings: dict[str, set[int]]) -> tuple[int, str, dict[str, torch.Tensor]]:
     """(step, url of the copy read, name -> tensor) of the newest intact step (or exactly ``step``) of ``stores``,
     with the fallbacks of :func:`._load.load`."""
@@ -221,7 +207,7 @@ def _load_weights(reader: _Reader, stores: list[Store], step: int | None, key: s
     return s, store.url, _flatten(tree, key)
 
 
-def _load_copy(reader: _Reader, store: Store, step: int, key: str) -> Any:
+def _load_copy(reader: Reader, store: Store, step: int, key: str) -> Any:
     """``state[key]`` of ``step`` in ``store`` as plain values; the distributed tensors of a multi-rank step as
     their full global tensors."""
     manifest = read_step(store, step)
@@ -248,7 +234,7 @@ def _load_copy(reader: _Reader, store: Store, step: int, key: str) -> Any:
     return state[key]
 
 
-def _assemble(reader: _Reader, store: Store, rms: list[Any], paths: set[str], *, step: int,
+def _assemble(reader: Reader, store: Store, rms: list[Any], paths: set[str], *, step: int,
               where: str) -> dict[str, torch.Tensor]:
     """The global tensor of every distributed-tensor key path of ``paths``, assembled from every rank's shard
     records (read one rank at a time, verified); the shards must tile each tensor exactly."""

@@ -38,8 +38,9 @@ naming its key path.
 
 Processes: Lightning calls ``save_checkpoint`` / ``remove_checkpoint`` on global rank 0 only (the replicas of DDP
 hold the same state), so the manager is one single-rank manager (``rank=0, world_size=1``) in that process. Loading
-(``load_checkpoint`` runs on every rank) is supported in a single-process job; in a multi-process job a non-zero rank
-raises ``NotImplementedError`` (it cannot open rank 0's locked folder). FSDP and ModelParallel strategies bypass
+(``load_checkpoint`` runs on every rank): rank 0 loads through its manager; every other rank reads what rank 0
+saved without its folder lock (:mod:`tierckpt.readonly`): from the same local folder on rank 0's node, from the
+remote tier on the other nodes (a multi-node DDP job needs ``remote``). FSDP and ModelParallel strategies bypass
 ``CheckpointIO`` for sharded checkpoints (they write torch.distributed.checkpoint folders themselves): use tierckpt's
 own manager per rank with the DTensor state (docs/distributed.md) there.
 """
@@ -51,10 +52,12 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from . import readonly
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RollbackError
 from .manager import CheckpointManager
 
@@ -74,6 +77,24 @@ MARKER_KEY = "tierckpt_step"
 MAX_OVERRIDE_TENSOR_BYTES = 1 << 16
 _LAST_NAME = re.compile(r"^last(-v?\d+)?$")
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
+
+
+class _ReadOnly:
+    """What ``load_checkpoint`` needs of a manager (``load``, ``steps``), for a rank that does not own the folder."""
+
+    def __init__(self, local_dir: str, remote: str | None, options: dict[str, Any]) -> None:
+        self.local_dir, self.remote = local_dir, remote
+        self.storage_options = options.get("storage_options")
+        self.timeout_s = options.get("remote_timeout_s", 30.0)
+
+    def load(self, step: int | None = None) -> Any:
+        return readonly.load(self.local_dir, remote=self.remote, step=step, storage_options=self.storage_options,
+                             timeout_s=self.timeout_s)
+
+    def steps(self) -> list[Any]:
+        found = readonly.committed_steps(self.local_dir, remote=self.remote, storage_options=self.storage_options,
+                                         timeout_s=self.timeout_s)
+        return [SimpleNamespace(step=s) for s in found]
 
 
 class TieredCheckpointIO(CheckpointIO):
@@ -105,10 +126,10 @@ class TieredCheckpointIO(CheckpointIO):
             opts = dict(self.manager_options)
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0:
-                raise NotImplementedError(
-                    "TieredCheckpointIO: only global rank 0 uses the checkpoint folder (Lightning saves from rank "
-                    f"0 only); rank {dist.get_rank()} cannot load from it. Multi-process resume is not "
-                    "supported by this plug-in (docs/lightning.md)")
+                raise CheckpointError(
+                    f"TieredCheckpointIO: rank {dist.get_rank()} asked for the checkpoint folder's manager, which "
+                    "global rank 0 owns (Lightning saves from rank 0 only; the other ranks load read-only)",
+                    path=self.local_dir)
             opts.setdefault("rank", 0)
             opts.setdefault("world_size", 1)
             self._mgr = CheckpointManager(self.local_dir, self.remote, **opts)
@@ -170,7 +191,7 @@ class TieredCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         path = _norm(path)
         marker = _read_marker(path)
-        mgr = self.manager
+        mgr = self._loader()
         stem = os.path.splitext(os.path.basename(path))[0]
         if _LAST_NAME.match(stem):
             result = mgr.load()  # the newest intact step, with the other tier / older step fallback
@@ -196,8 +217,18 @@ class TieredCheckpointIO(CheckpointIO):
         self._loaded_step = result.step
         return state
 
+    def _loader(self) -> CheckpointManager | _ReadOnly:
+        """Rank 0 (or a single process) loads through its manager; the other ranks of a multi-process job read
+        what rank 0 saved without its folder lock (:mod:`tierckpt.readonly`): the same local folder on rank 0's
+        node, the remote tier elsewhere."""
+        dist = torch.distributed
+        if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0
+                and "rank" not in self.manager_options):
+            return _ReadOnly(self.local_dir, self.remote, self.manager_options)
+        return self.manager
+
     @staticmethod
-    def _load_at_or_below(mgr: CheckpointManager, step: int, path: str):
+    def _load_at_or_below(mgr: CheckpointManager | _ReadOnly, step: int, path: str):
         try:
             return mgr.load(step)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
