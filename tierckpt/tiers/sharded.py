@@ -39,9 +39,11 @@ from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
+from ..storage.fsspec_store import DEFAULT_PART_SIZE
 from ..storage.local import LocalStore
 from ..storage.retry import RetryPolicy
 from .reader import read_manifests
+from .transfer import TokenBucket, Transfer, TransferFailed, bytes_job, file_job, run_jobs
 from .writer import RankSnapshot, write_rank
 
 log = logging.getLogger(__name__)
@@ -115,13 +117,12 @@ def _rank_of(name: str) -> int | None:
 def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> RankRef:
     """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job);
     returns the reference to the rank manifest written (its name, size and checksum)."""
-    from .uploader import DEFAULT_CHUNK, TokenBucket, _bytes_job, _Ctx, _file_job, _run_all, _StepFailed
 
     threads = opts.get("threads", 4)
-    part_size = opts.get("part_size", DEFAULT_CHUNK)
+    part_size = opts.get("part_size", DEFAULT_PART_SIZE)
     bw = opts.get("bandwidth_bytes_per_s")
     deadline_s = opts.get("deadline_s")
-    ctx = _Ctx(step, remote, opts.get("retry") or RetryPolicy(),
+    ctx = Transfer(step, remote, opts.get("retry") or RetryPolicy(),
                None if deadline_s is None else time.monotonic() + deadline_s, opts.get("cancel"),
                opts.get("bucket") or (TokenBucket(bw, burst=min(part_size, bw)) if bw else None), opts.get("progress"),
                opts.get("stall_s"))
@@ -135,11 +136,11 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierckpt-upload-{step}")
     try:
         remote.makedirs(folder)
-        jobs = [(join(folder, rec.name), _file_job(local, remote, ctx, rm, i, folder, join(folder, rec.name), part_size,
+        jobs = [(join(folder, rec.name), file_job(local, remote, ctx, rm, i, folder, join(folder, rec.name), part_size,
                                                    opts.get("compression"), opts.get("compression_level", 3),
                                                    opts.get("verify", False)))
                 for i, rec in enumerate(rm.files)]
-        results = _run_all(pool, ctx, jobs)
+        results = run_jobs(pool, ctx, jobs)
         ctx.sent()
         records = tuple(r[0] for r in results)
         new = dataclasses.replace(rm, files=records) if records != rm.files else rm
@@ -147,9 +148,9 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
             join(folder, layout.rank_manifest_name(rank, rm.save_id)), max_size=MAX_MANIFEST_BYTES)
         rel = join(folder, layout.rank_manifest_name(rank, rm.save_id))
         faults.point("before-remote-manifest")
-        _run_all(pool, ctx, [(rel, _bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False)))])
+        run_jobs(pool, ctx, [(rel, bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False)))])
         return RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex())
-    except _StepFailed as failed:
+    except TransferFailed as failed:
         raise UploadError(f"rank {rank}: cannot upload its shard: {failed.exc}", step=step, tier=remote.tier,
                           path=f"{remote.url}/{failed.rel}") from failed.exc
     finally:
