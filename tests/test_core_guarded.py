@@ -179,14 +179,14 @@ def test_a_prepared_step_released_unapplied_puts_the_old_bytes_back(tmp_path: Pa
     target = _target(state)
     before = clone_tree(target)
     with CheckpointManager(tmp_path) as mgr:
-        prepared = _restore.prepare(mgr, mgr.local, 1, target, True)
+        prepared = _restore.prepare(mgr._engine, mgr.local, 1, target, True)
         assert torch.equal(target["model"]["w0"], state["model"]["w0"])  # read in place already
         assert target["step"] == -1  # the rest waits for apply()
         prepared.release()
         prepared.release()  # idempotent: nothing is put back twice
         assert_tree_equal(target, before)
         assert len(mgr._pool._free) == mgr.options.staging_buffers
-        _restore.prepare(mgr, mgr.local, 1, target, True).apply()
+        _restore.prepare(mgr._engine, mgr.local, 1, target, True).apply()
     assert_tree_equal(target, state)
 
 

@@ -88,7 +88,7 @@ def test_manager_staging_and_bounce_buffers_follow_huge_pages(tmp_path: Path, hu
         assert mgr.restore(fresh, in_place=True) == 1
         for k in state:
             assert_tensor_equal(fresh[k], state[k], k)
-        bounce = mgr._bounce
+        bounce = mgr._engine.bounce
         if direct_io_supported(tmp_path):  # the files were written around the page cache: read through bounce buffers
             assert bounce is not None and bounce._map is not None, "the in-place restore used no bounce buffers"
             baddr = buffer_address(bounce._map)

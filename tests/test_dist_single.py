@@ -240,7 +240,7 @@ def test_wait_remote_commit_times_out_naming_the_step(remote: LocalStore) -> Non
         sharded.wait_remote_commit(remote, 5, SID, deadline_s=0.2)
 
 
-# ------------------------------------------------------------------------------------------------ manager, rank 1 scripted
+# --------------------------------------------------------------------------------------------- manager, rank 1 scripted
 class FakeCoordinator:
     """Rank 0 of a world of 2; ``peer(group, obj)`` returns rank 1's object for each collective, or raises."""
 
@@ -318,6 +318,7 @@ def twin_manager(local: Path, peer: Callable[[str, Any], Any], **kw: Any) -> tup
     coord = FakeCoordinator(peer)
     mgr._coord = coord
     mgr.world_size = WORLD
+    mgr._engine.coord, mgr._engine.world_size = coord, WORLD  # what the restore and commit paths see
     return mgr, coord
 
 
@@ -335,7 +336,8 @@ def test_twin_rank1_save_fails_step_uncommitted_error_names_rank1(tmp_path: Path
     def peer(group: str, obj: Any) -> Any:
         if group == "persist" and isinstance(obj, tuple) and len(obj) == 5 and obj[0]:
             step = next(iter(fail_step)) if fail_step else None
-            if step is not None and obj[1][1].split("-", 1)[1].split(".")[0] == _sharded.save_id("single-process-twin", step):
+            if (step is not None
+                    and obj[1][1].split("-", 1)[1].split(".")[0] == _sharded.save_id("single-process-twin", step)):
                 return (False, "OSError: [Errno 28] No space left on device", 0, 0.0, None)
         return ok_peer()(group, obj)
 
@@ -383,7 +385,7 @@ def test_twin_rank1_dies_during_the_agreement(tmp_path: Path) -> None:
     st = empty()
     assert mgr.restore(st) == 1 and st["step"] == 1
     # ... and the node leader's start-up recovery removes it
-    _sharded.recover_local(mgr)
+    _sharded.recover_local(mgr.local, coord)
     assert not (tmp_path / "n0" / "step-0000000002").exists()
     assert coord.calls[-1] == ("main", None)  # the barrier after the cleanup
     mgr.close()

@@ -38,7 +38,8 @@ FORMAT_LEAVES = frozenset({"tierckpt.errors", "tierckpt._version"})
 #: nothing of tierckpt but each other.
 STORAGE_LEAVES = FORMAT_LEAVES | {"tierckpt.faults", "tierckpt._memory", "tierckpt._libc"}
 #: The engine: what drives tiers, never driven by them.
-ENGINE = ("tierckpt.manager", "tierckpt._restore", "tierckpt._load", "tierckpt._sharded", "tierckpt.replication",
+ENGINE = ("tierckpt.manager", "tierckpt._engine", "tierckpt._restore", "tierckpt._load", "tierckpt._sharded",
+          "tierckpt.replication",
           "tierckpt.distributed")
 #: Packages that never load torch, nor does anything they import.
 TORCH_FREE = ("tierckpt.format", "tierckpt.storage", "tierckpt.tiers", "tierckpt.cli")

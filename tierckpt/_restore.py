@@ -47,7 +47,7 @@ from .tiers.reader import PendingLoad, Prefetch, buffer_layout, fetch_file, read
 from .tiers.undo import UndoLog
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from ._engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ SPARSE_MAX_SHARE = 0.25
 GUARD_MIN_SHARE = 0.5
 
 
-def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
+def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
             strict: bool, in_place: bool = False, listing: TierListings) -> int | None:
     """Load the newest intact step of ``listing`` (or exactly ``step``) from ``tiers``; see the module docstring.
     ``listing`` is the tiers' committed steps; a tier that could not be listed was checked by the caller
@@ -79,7 +79,7 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
         return None
 
     def attempt(store: Store, s: int) -> None:
-        prepare(mgr, store, s, state, strict, in_place=in_place).apply()
+        prepare(eng, store, s, state, strict, in_place=in_place).apply()
 
     found, _store, _ = first_intact(attempt, tiers, listing.steps, step, what="restore",
                                     suffix=_overwritten(in_place))
@@ -121,7 +121,7 @@ class Prepared:
                 release()
 
 
-def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMapping[str, Any], strict: bool,
+def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any], strict: bool,
             given: StepManifest | None = None, *, in_place: bool = False) -> Prepared:
     """Read and verify this rank's part of ``step`` from ``store`` and check it against ``state``; nothing changes
     in ``state`` until :meth:`Prepared.apply`, except the CPU tensors the bytes are read into: with ``in_place``,
@@ -132,8 +132,8 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     manifest = given if given is not None else read_step(store, step)
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
-    src = mgr.rank if mgr.rank < manifest.world_size else 0
-    cache = store is not mgr.local and mgr.options.cache_remote_restores and manifest.world_size == 1
+    src = eng.rank if eng.rank < manifest.world_size else 0
+    cache = store is not eng.local and eng.options.cache_remote_restores and manifest.world_size == 1
     # caching writes the loaded files from the staging buffer, so it needs every byte there: no direct reads then
     in_place = in_place and not cache
     # the default restore is guarded where its files can be read straight into the tensors: the reads go there, as
@@ -150,7 +150,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     # (``direct_reads``): a prefetch would fill the cache the reads then take the slower buffered way from (2 GiB
     # in place, cold, 8 interleaved: 1.12 s with it, 1.11 s without; a test saw a whole file go buffered).
     prefetch_budget = None if direct_reads and not store.direct_reads else 0
-    prefetch = Prefetch(store, manifest, src, width=mgr.options.writer_threads, budget=prefetch_budget)
+    prefetch = Prefetch(store, manifest, src, width=eng.options.writer_threads, budget=prefetch_budget)
     holder: dict[str, Any] = {}
     # in place: the reads put all but a small rest straight into live tensors (SPARSE_MAX_SHARE; known before
     # ``alloc`` is called)
@@ -158,7 +158,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
     undo: UndoLog | None = None
 
     def alloc(n: int) -> memoryview:
-        if sparse[0] and not mgr._pool.ready(n):
+        if sparse[0] and not eng.pool.ready(n):
             # only the small rest of the files lands here: a private buffer on small pages, of which only those
             # pages are touched, rather than a fresh state-sized staging slot (see SPARSE_MAX_SHARE)
             buffer = aligned_empty(n, pin=False)
@@ -166,10 +166,10 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             return memoryview(buffer.numpy())
         # a fresh buffer's pages fault in beside the reads that fill it (not beside in-place reads, which leave
         # most of it untouched; a guarded restore saves the old bytes there)
-        slot = mgr._pool.acquire(n, populate=not in_place)
+        slot = eng.pool.acquire(n, populate=not in_place)
         slot._headers_for = None  # the checkpoint's bytes will overwrite the headers a save left there
         assert slot.buffer is not None
-        holder["buffer"], holder["release"] = slot.buffer, partial(mgr._pool.release, slot)
+        holder["buffer"], holder["release"] = slot.buffer, partial(eng.pool.release, slot)
         return memoryview(slot.buffer[:n].numpy())
 
     pending: PendingLoad | None = None
@@ -185,7 +185,7 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             direct_reads = in_place or (guardable and _worth_guarding(rm))
             if not direct_reads:
                 try:
-                    pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash)
+                    pending = start_load(store, rm, alloc, executor=eng.io, hash_executor=eng.hash)
                 except CorruptCheckpointError as exc:
                     early = exc  # a state mismatch, found by the plan, is the error to report first
             plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=direct_reads)
@@ -193,9 +193,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
             prefetch.stop()
         if early is not None:
             raise early
-        if rm.world_size != mgr.world_size and not plan.dtensor_targets:
+        if rm.world_size != eng.world_size and not plan.dtensor_targets:
             raise StateMismatchError(
-                f"checkpoint was saved by {rm.world_size} ranks, this job has {mgr.world_size}: only distributed "
+                f"checkpoint was saved by {rm.world_size} ranks, this job has {eng.world_size}: only distributed "
                 "tensors (DTensor/FSDP2 state) can be resharded", step=step, tier=store.tier)
         if pending is None:  # the large live tensors' own bytes (plan.direct keeps them alive)
             direct = plan.direct
@@ -208,9 +208,9 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
                          and total - sum(recs[i].nbytes for i in scatter) <= total * SPARSE_MAX_SHARE)
             bounce = None
             if scatter and store.direct_reads:
-                bounce = _bounce_buffers(mgr, rm, holder, borrow=sparse[0])
+                bounce = _bounce_buffers(eng, rm, holder, borrow=sparse[0])
             undo = UndoLog() if scatter and not in_place else None
-            pending = start_load(store, rm, alloc, executor=mgr._io, hash_executor=mgr._hash, direct=scatter,
+            pending = start_load(store, rm, alloc, executor=eng.io, hash_executor=eng.hash, direct=scatter,
                                  bounce=bounce, undo=undo)
         views, offsets = pending.result()
     except BaseException:
@@ -246,11 +246,11 @@ def prepare(mgr: CheckpointManager, store: Store, step: int, state: MutableMappi
                    dtensor=lambda key: to_live_layout(plan.dtensor_targets[key][0], assembled[key]),
                    loaded=loaded)
         if cache:
-            _cache_locally(mgr.local, manifest, rm, views)
+            _cache_locally(eng.local, manifest, rm, views)
 
     prepared = Prepared(holder["release"], run, undo)
     try:
-        assembled = _assemble_dtensors(mgr, store, manifest, plan.dtensor_targets, own=(src, rm, raw),
+        assembled = _assemble_dtensors(eng, store, manifest, plan.dtensor_targets, own=(src, rm, raw),
                                        complete=given is None)
     except BaseException:
         prepared.release()  # a guarded restore's tensors get their old bytes back
@@ -282,7 +282,7 @@ def _fill_small_targets(rm: RankManifest, small: dict[int, torch.Tensor], loaded
             t.copy_(views(i))
 
 
-def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest, holder: dict[str, Any], *,
+def _bounce_buffers(eng: Engine, rm: RankManifest, holder: dict[str, Any], *,
                     borrow: bool) -> BounceBuffers:
     """Bounce buffers for in-place direct reads (``BOUNCE_PER_THREAD`` per io thread, so every reader has one to
     read into while one is copied out), no larger than this rank's largest file needs. The manager's own where an
@@ -292,17 +292,17 @@ def _bounce_buffers(mgr: CheckpointManager, rm: RankManifest, holder: dict[str, 
     kept for later restores (they take memory only once a read uses them)."""
     page = mmap.PAGESIZE
     need = min(BOUNCE_SIZE, -(-max((f.size for f in rm.files), default=1) // page) * page)
-    count = BOUNCE_PER_THREAD * mgr.options.writer_threads
-    if mgr._bounce is not None and mgr._bounce.size >= need:
-        return mgr._bounce
-    if borrow and mgr._pool.ready(count * need):
-        slot = mgr._pool.acquire(count * need)
+    count = BOUNCE_PER_THREAD * eng.options.writer_threads
+    if eng.bounce is not None and eng.bounce.size >= need:
+        return eng.bounce
+    if borrow and eng.pool.ready(count * need):
+        slot = eng.pool.acquire(count * need)
         slot._headers_for = None  # about to be overwritten
-        holder["bounce_release"] = partial(mgr._pool.release, slot)
+        holder["bounce_release"] = partial(eng.pool.release, slot)
         assert slot.buffer is not None
         return BounceBuffers(count, need, memory=memoryview(slot.buffer[: count * need].numpy()))
-    mgr._bounce = BounceBuffers(count, need, huge=mgr._huge)
-    return mgr._bounce
+    eng.bounce = BounceBuffers(count, need, huge=eng.huge)
+    return eng.bounce
 
 
 def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views: tuple[memoryview, ...]) -> None:
@@ -312,7 +312,8 @@ def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views
     if local.exists(join(layout.step_dir(step), layout.STEP_MANIFEST)):
         return
     protocol = protocol_for(local)
-    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, compression=None, stored_size=None) for f in rm.files))
+    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, compression=None, stored_size=None)
+                                                for f in rm.files))
     raw = plain.to_bytes()
     name = layout.rank_manifest_name(rm.rank, rm.save_id)
     step_manifest = dataclasses.replace(manifest, ranks=(RankRef(rm.rank, name, len(raw), hashing.digest(raw).hex()),))
@@ -331,7 +332,7 @@ def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views
         log.warning("restore: could not cache step %d into the local tier %s: %s", step, local.url, exc)
 
 
-def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManifest,
+def _assemble_dtensors(eng: Engine, store: Store, manifest: StepManifest,
                        targets: dict[str, tuple[Any, str, tuple[int, ...]]], *,
                        own: tuple[int, RankManifest, Any], complete: bool = True) -> dict[str, torch.Tensor]:
     """Each distributed-tensor target's box, from the saved shards that overlap it (read whole and verified).
@@ -342,7 +343,7 @@ def _assemble_dtensors(mgr: CheckpointManager, store: Store, manifest: StepManif
     if not targets:
         return {}
     src, own_rm, own_raw = own
-    tiers = list(dict.fromkeys(t for t in (store, mgr.local, mgr.remote) if t is not None))
+    tiers = list(dict.fromkeys(t for t in (store, eng.local, eng.remote) if t is not None))
     # each tier's manifest.json, read once
     step_manifests: dict[int, StepManifest | None] = {id(store): manifest} if complete else {}
 

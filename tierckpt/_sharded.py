@@ -31,7 +31,8 @@ from .tiers.reader import read_step
 from .tiers.writer import RankSnapshot
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
+    from ._engine import Engine
+    from .distributed import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,16 @@ def save_id(run_id: str, step: int) -> str:
     return xxhash.xxh3_64_hexdigest(f"{run_id}:{step}".encode())
 
 
-def persist(mgr: CheckpointManager, snap: RankSnapshot, *, release: Callable[[], None]) -> StepManifest:
+def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> StepManifest:
     """Write this rank's shard, agree with every rank, commit on this node. Raises if any rank failed."""
-    coord = mgr._coord
+    coord = eng.coord
     assert coord is not None
     topo = coord.topology
     step, sid = snap.step, snap.save_id
     outcome: tuple[Any, ...]
     written = False
     try:
-        rm, ref = sharded.persist_shard(mgr.local, snap, mgr._io, mgr._hash)
+        rm, ref = sharded.persist_shard(eng.local, snap, eng.io, eng.hash)
         outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), snap.metadata)
         written = True
     except Exception as exc:
@@ -63,12 +64,12 @@ def persist(mgr: CheckpointManager, snap: RankSnapshot, *, release: Callable[[],
     failed = {r: o[1] for r, o in enumerate(everyone) if not o[0]}
     if failed:
         try:
-            sharded.discard_shard(mgr.local, step, topo.rank, sid)
+            sharded.discard_shard(eng.local, step, topo.rank, sid)
         except Exception as exc:  # best effort: the error that names the failing rank matters more
             log.warning("tier local: rank %d could not remove its shard of failed step %d: %s", topo.rank, step, exc)
         raise CheckpointError(f"step not committed: rank(s) {sorted(failed)} failed to save: "
                               + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), step=step, tier="local",
-                              path=mgr.local.url)
+                              path=eng.local.url)
     manifest = StepManifest(
         step=step, world_size=topo.world_size, save_id=sid,
         ranks=tuple(RankRef(*o[1]) for o in everyone), total_bytes=sum(o[2] for o in everyone),
@@ -77,21 +78,21 @@ def persist(mgr: CheckpointManager, snap: RankSnapshot, *, release: Callable[[],
     ok: tuple[bool, str] = (True, "")
     if topo.is_node_leader:
         try:
-            mgr_commit(mgr, manifest)
+            commit_local(eng, manifest)
         except Exception as exc:
             ok = (False, f"{type(exc).__name__}: {exc}")
     confirmed = _gather(coord, ok, step, "committed on every node", sid)
     bad = {r: o[1] for r, o in enumerate(confirmed) if not o[0]}
     if bad:
         raise CheckpointError(f"step not committed on the node(s) of rank(s) {sorted(bad)}: {bad}", step=step,
-                              tier="local", path=mgr.local.url)
+                              tier="local", path=eng.local.url)
     return manifest
 
 
-def mgr_commit(mgr: CheckpointManager, manifest: StepManifest) -> None:
-    sharded.commit_step(mgr.local, manifest)
+def commit_local(eng: Engine, manifest: StepManifest) -> None:
+    sharded.commit_step(eng.local, manifest)
     log.info("tier local: committed step %d (ranks %s of %d) at %s", manifest.step, list(manifest.holds_ranks or ()),
-             manifest.world_size, mgr.local.url)
+             manifest.world_size, eng.local.url)
 
 
 def _gather(coord: Any, obj: Any, step: int, what: str, sid: str) -> list[Any]:
@@ -104,48 +105,48 @@ def _gather(coord: Any, obj: Any, step: int, what: str, sid: str) -> list[Any]:
         raise CheckpointError(f"step not committed: ranks could not agree ({what}); {who}: {exc}", step=step) from exc
 
 
-def upload(mgr: CheckpointManager, step: int, opts: dict[str, Any], *, channel: Any = None,
+def upload(eng: Engine, step: int, opts: dict[str, Any], *, channel: Any = None,
            attempt: str | None = None) -> None:
     """This rank's shard to the remote; rank 0 commits the step there once every shard is in. With a
     ``channel`` (the job's c10d store) and the leader's decision as ``attempt``, the ranks coordinate through it
     (:func:`tiers.sharded.replicate_shards`); without, through the remote storage (the polling protocol)."""
-    assert mgr.remote is not None and mgr._coord is not None
-    rank = mgr._coord.topology.rank
-    local_manifest = read_step_manifest(mgr.local, layout.step_dir(step), step)
+    assert eng.remote is not None and eng.coord is not None
+    rank = eng.coord.topology.rank
+    local_manifest = read_step_manifest(eng.local, layout.step_dir(step), step)
     if local_manifest is None:
-        raise CheckpointNotFoundError("no committed local copy to upload", step=step, tier="local", path=mgr.local.url)
+        raise CheckpointNotFoundError("no committed local copy to upload", step=step, tier="local", path=eng.local.url)
     if channel is not None and attempt is not None:
         try:
-            sharded.replicate_shards(mgr.local, mgr.remote, local_manifest, rank, channel=channel, attempt=attempt,
+            sharded.replicate_shards(eng.local, eng.remote, local_manifest, rank, channel=channel, attempt=attempt,
                                      **opts)
         except CheckpointError:
             raise
         except Exception as exc:
-            raise UploadError(f"rank {rank}: cannot replicate to {mgr.remote.url}: {describe(exc)}", step=step,
-                              tier=mgr.remote.tier, path=mgr.remote.url, transient=is_transient(exc)) from exc
+            raise UploadError(f"rank {rank}: cannot replicate to {eng.remote.url}: {describe(exc)}", step=step,
+                              tier=eng.remote.tier, path=eng.remote.url, transient=is_transient(exc)) from exc
         return
     try:
-        remote_manifest = read_step_manifest(mgr.remote, layout.step_dir(step), step)
+        remote_manifest = read_step_manifest(eng.remote, layout.step_dir(step), step)
     except CorruptCheckpointError:
         remote_manifest = None
     if remote_manifest is not None and remote_manifest.save_id == local_manifest.save_id:
         return
     try:
-        sharded.upload_shard(mgr.local, mgr.remote, step, rank, **opts)
+        sharded.upload_shard(eng.local, eng.remote, step, rank, **opts)
         if rank == 0:
-            sharded.commit_remote(mgr.remote, local_manifest, deadline_s=opts.get("deadline_s"))
+            sharded.commit_remote(eng.remote, local_manifest, deadline_s=opts.get("deadline_s"))
         else:
-            sharded.wait_remote_commit(mgr.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
+            sharded.wait_remote_commit(eng.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
     except CheckpointError:
         raise
     except Exception as exc:  # a storage failure outside the per-file retries (creating the folder, polling)
-        raise UploadError(f"rank {rank}: cannot replicate to {mgr.remote.url}: {describe(exc)}", step=step,
-                          tier=mgr.remote.tier, path=mgr.remote.url, transient=is_transient(exc)) from exc
+        raise UploadError(f"rank {rank}: cannot replicate to {eng.remote.url}: {describe(exc)}", step=step,
+                          tier=eng.remote.tier, path=eng.remote.url, transient=is_transient(exc)) from exc
 
 
-def candidates(mgr: CheckpointManager, tiers: list[Store], listing: TierListings) -> dict[int, list[Store]]:
+def candidates(eng: Engine, tiers: list[Store], listing: TierListings) -> dict[int, list[Store]]:
     """Steps committed in some tier that holds this rank's shard, with the tiers to try, local first."""
-    rank = mgr._coord.topology.rank if mgr._coord is not None else mgr.rank
+    rank = eng.coord.topology.rank if eng.coord is not None else eng.rank
     out: dict[int, list[Store]] = {}
     for store in tiers:
         for s in sorted(listing.steps.get(store.tier, ())):
@@ -155,10 +156,10 @@ def candidates(mgr: CheckpointManager, tiers: list[Store], listing: TierListings
     return out
 
 
-def list_tiers_shared(mgr: CheckpointManager, tiers: list[Store], *, deadline_s: float | None) -> TierListings:
+def list_tiers_shared(eng: Engine, tiers: list[Store], *, deadline_s: float | None) -> TierListings:
     """Each rank lists its node's local tier; rank 0 alone lists the shared tiers (the remote) and hands its
     listing to every rank in one gather, so a restart lists the remote once, not once per rank."""
-    coord = mgr._coord
+    coord = eng.coord
     assert coord is not None
     mine = list_tiers([t for t in tiers if t.tier == "local"], deadline_s=deadline_s)
     shared = [t for t in tiers if t.tier != "local"]
@@ -169,18 +170,18 @@ def list_tiers_shared(mgr: CheckpointManager, tiers: list[Store], *, deadline_s:
     return TierListings({**mine.steps, **theirs.steps}, {**mine.failed, **theirs.failed})
 
 
-def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
+def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
             strict: bool, load: Callable[..., Any], listing: TierListings) -> int | None:
     """Every rank loads the same step: the newest that every rank can load intact from some tier. A rank whose
     listing depends on a tier it could not read (:meth:`TierListings.require`) makes every rank raise."""
-    coord = mgr._coord
+    coord = eng.coord
     assert coord is not None
     try:
         listing.require(step, ", ".join(t.url for t in tiers))
         blocked = None
     except StorageError as exc:
         blocked = exc
-    mine = candidates(mgr, tiers, listing)
+    mine = candidates(eng, tiers, listing)
     # each rank's steps, and those it will read from a shared tier first (its node does not hold its shard)
     offer = None if blocked is not None else {
         "steps": sorted(mine), "shared_first": [s for s, st in mine.items() if st[0].tier != "local"]}
@@ -208,7 +209,7 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
     for s in order:
         prepared = None
         outcome: tuple[str, str] = ("ok", "")
-        shared = _share_step_manifest(mgr, tiers, s, [r for r, rep in enumerate(reports) if s in rep["shared_first"]])
+        shared = _share_step_manifest(eng, tiers, s, [r for r, rep in enumerate(reports) if s in rep["shared_first"]])
         for store in mine.get(s, []):
             try:
                 if shared is not None and store is shared[0]:
@@ -261,7 +262,7 @@ def restore(mgr: CheckpointManager, state: MutableMapping[str, Any], step: int |
                                  step=order[0] if order else step, path=", ".join(t.url for t in tiers))
 
 
-def _share_step_manifest(mgr: CheckpointManager, tiers: list[Store], step: int,
+def _share_step_manifest(eng: Engine, tiers: list[Store], step: int,
                          readers: list[int]) -> tuple[Store, StepManifest] | None:
     """Rank 0 reads the shared tier's ``manifest.json`` of ``step`` once and hands each rank in ``readers`` (those
     that read their shard from that tier) the manifest cut down to the one rank manifest it needs, so that a
@@ -269,7 +270,7 @@ def _share_step_manifest(mgr: CheckpointManager, tiers: list[Store], step: int,
     Returns this rank's (tier, manifest), or None: not a reader, or rank 0 could not read it (the rank then reads
     the manifest itself and meets the same error, if any, on its own). A collective: every rank calls it for the
     same steps."""
-    coord = mgr._coord
+    coord = eng.coord
     assert coord is not None
     remote = next((t for t in tiers if t.tier != "local"), None)
     if remote is None or not readers:
@@ -292,14 +293,12 @@ def _share_step_manifest(mgr: CheckpointManager, tiers: list[Store], step: int,
     return None if mine is None else (remote, mine)
 
 
-def recover_local(mgr: CheckpointManager) -> None:
+def recover_local(store: Store, coord: Coordinator | None) -> None:
     """Start-up cleanup of a node-local folder shared by several ranks: each rank removes its own temporary
     folders; the node's leader removes trash, manifest-less step folders and files of failed saves. A barrier
     follows, so that no rank starts saving into a folder the leader is still cleaning."""
-    coord = mgr._coord
     assert coord is not None
     topo = coord.topology
-    store = mgr.local
     for name in store.list(""):
         if layout.parse_tmp_dir(name) is not None and layout.tmp_dir_rank(name) == topo.rank:
             store.remove(name)

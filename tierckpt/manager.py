@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from . import _gc, _load, _restore, _sharded, faults
+from ._engine import Engine
 from ._memory import huge_pages_available
 from .distributed import Coordinator, rank_and_world
 from .errors import CheckpointError, RollbackError, StorageError
@@ -54,7 +55,6 @@ from .storage.local import LocalStore
 from .storage.open import open_store
 from .storage.retry import RetryPolicy
 from .tiers import uploader, writer
-from .tiers.bounce import BounceBuffers
 from .tiers.listing import TierListings, list_tiers
 from .tiers.verify import list_root
 
@@ -193,7 +193,7 @@ class CheckpointManager:
                 for action in protocol_for(self.local).recover(self.local):
                     log.info("tier local: %s under %s", action, self.local.url)
             else:
-                _sharded.recover_local(self)
+                _sharded.recover_local(self.local, self._coord)
             if remote is not None:
                 # No start-up cleanup on the remote: it is shared (other nodes, `tierckpt sync`) and holds no lock of
                 # ours, so another writer's upload in progress must not be mistaken for a leftover. Leftovers there
@@ -218,13 +218,15 @@ class CheckpointManager:
         cuda = torch.cuda.is_available()
         pin = cuda if self.options.pin_memory is None else self.options.pin_memory
         self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge)
-        self._bounce: BounceBuffers | None = None  # in-place restores' direct reads (made by the first: _restore)
         overlap = self.options.overlap_writes
         self._overlap = copier.overlap_pays(self.options.writer_threads) if overlap is None else overlap
         self._copy_stream = torch.cuda.Stream() if cuda else None
         self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
         self._hash = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-hash")
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-persist")
+        self._engine = Engine(local=self.local, remote=self.remote, rank=self.rank, world_size=self.world_size,
+                              options=self.options, io=self._io, hash=self._hash, pool=self._pool, huge=self._huge,
+                              coord=self._coord)
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-snapshot")
         self._lazy_pending: set[Future] = set()
         self._hooks: dict[int, Any] = {}
@@ -270,6 +272,9 @@ class CheckpointManager:
         replicator = getattr(self, "_replicator", None)
         if replicator is not None and store is not None:
             replicator.remote = store
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.remote = store
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
@@ -363,7 +368,8 @@ class CheckpointManager:
     def _plan_for(self, flat: tree.FlatState) -> SnapshotPlan:
         """The snapshot plan (files, offsets) of a flattened state: the last one when the layout is unchanged."""
         if self._plan is None or self._plan.signature != flat.specs:
-            self._plan = make_plan(flat.specs, file_bytes=self.options.file_size_mb << 20, min_files=self.options.writer_threads)
+            self._plan = make_plan(flat.specs, file_bytes=self.options.file_size_mb << 20,
+                                   min_files=self.options.writer_threads)
             self._locations = staging.leaf_locations(self._plan)
         self._plan.cache["flatten"] = flat.memo
         return self._plan
@@ -439,7 +445,7 @@ class CheckpointManager:
             if self._coord is None:
                 writer.persist(self.local, snap, self._io, self._hash)
             else:
-                _sharded.persist(self, snap, release=release)
+                _sharded.persist(self._engine, snap, release=release)
         except BaseException as exc:
             release()
             if progress.failed is not None:  # save() raised it (eager) or _lazy_stage reported it (lazy)
@@ -477,7 +483,7 @@ class CheckpointManager:
         if self._coord is None:
             uploader.replicate_step(self.local, self.remote, step, **opts)
         else:
-            _sharded.upload(self, step, opts, channel=self._channel, attempt=attempt)
+            _sharded.upload(self._engine, step, opts, channel=self._channel, attempt=attempt)
 
     def _apply_local_retention(self) -> None:
         """Local retention without a remote tier: the newest ``keep_local`` steps stay (the node's leader decides
@@ -582,13 +588,14 @@ class CheckpointManager:
         if self._coord is None:
             listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
         else:
-            listing = _sharded.list_tiers_shared(self, tiers, deadline_s=self.options.remote_timeout_s)
+            listing = _sharded.list_tiers_shared(self._engine, tiers, deadline_s=self.options.remote_timeout_s)
         with _gc.paused():
             if self._coord is not None:
-                return _sharded.restore(self, state, step, tiers, strict=strict, listing=listing,
-                                        load=lambda *a: _restore.prepare(self, *a, in_place=in_place))
+                return _sharded.restore(self._engine, state, step, tiers, strict=strict, listing=listing,
+                                        load=lambda *a: _restore.prepare(self._engine, *a, in_place=in_place))
             listing.require(step, ", ".join(t.url for t in tiers))
-            return _restore.restore(self, state, step, tiers, strict=strict, in_place=in_place, listing=listing)
+            return _restore.restore(self._engine, state, step, tiers, strict=strict, in_place=in_place,
+                                    listing=listing)
 
     def load(self, step: int | None = None, *, source: str = "auto",
              keys: Sequence[str] | None = None) -> _load.LoadResult:
@@ -789,7 +796,7 @@ class CheckpointManager:
             self._io.shutdown(wait=True)
             self._hash.shutdown(wait=True)
             self._pool.close()
-            self._bounce = None  # its buffers are unmapped with it
+            self._engine.close()  # the restore's bounce buffers are unmapped with it
             self._preemption.uninstall()
             if self._coord is not None:
                 self._coord.destroy()

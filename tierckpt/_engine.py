@@ -1,0 +1,47 @@
+"""What a :class:`~tierckpt.CheckpointManager` shares with the modules that restore and coordinate for it
+(:mod:`._restore`, :mod:`._sharded`): one object built by the manager, so that those modules use its tiers, thread
+pools, staging pool and coordinator through named attributes instead of reaching into the manager.
+
+The engine owns one piece of state itself: the in-place restore's bounce buffers, made by the first restore that
+reads direct and kept for the next ones (they take memory only once a read uses them); :meth:`Engine.close` drops
+them. Everything else it refers to belongs to the manager, which closes it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING
+
+from .options import Options
+from .storage.base import Store
+from .tiers.bounce import BounceBuffers
+
+if TYPE_CHECKING:
+    from .distributed import Coordinator
+    from .snapshot.staging import StagingPool
+    from .storage.local import LocalStore
+
+
+class Engine:
+    """The manager's machinery as its satellite modules see it (attributes, set once by the manager):
+
+    - ``local``, ``remote``: the tiers (``remote`` None without one); ``rank``, ``world_size``; ``options``;
+    - ``io``, ``hash``: the io and hashing thread pools (``options.writer_threads`` each);
+    - ``pool``: the staging pool; ``huge``: whether large buffers go on transparent huge pages;
+    - ``coord``: the gloo groups and collectives of a multi-rank job, or None;
+    - ``bounce``: the in-place restore's bounce buffers (owned here; None until a restore makes them).
+    """
+
+    def __init__(self, *, local: LocalStore, remote: Store | None, rank: int, world_size: int, options: Options,
+                 io: Executor, hash: Executor, pool: StagingPool, huge: bool, coord: Coordinator | None) -> None:
+        self.local, self.remote = local, remote
+        self.rank, self.world_size = rank, world_size
+        self.options = options
+        self.io, self.hash = io, hash
+        self.pool, self.huge = pool, huge
+        self.coord = coord
+        self.bounce: BounceBuffers | None = None
+
+    def close(self) -> None:
+        """Drop the bounce buffers (their memory is unmapped with them)."""
+        self.bounce = None
