@@ -1,4 +1,5 @@
-"""One rank of the request-count benchmark (``benchmarks/request_counts.py``): ``python _request_counts_rank.py RANK CONFIG_JSON``.
+"""One rank of the request-count benchmark (``benchmarks/request_counts.py``):
+``python _request_counts_rank.py RANK CONFIG_JSON``.
 
 The rank joins a gloo process group through a FileStore (``file://``, no ports), runs one phase and writes what it
 saw to ``<result_dir>/result-r<rank>.json``; it exits non-zero when the phase failed or restored wrong bytes.

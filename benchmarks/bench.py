@@ -1,7 +1,8 @@
 """Side-by-side checkpoint benchmark: hardware limits, peers (torch.save, safetensors, DCP) and tierckpt.
 
     python benchmarks/bench.py --size-gib 1 --repeats 3 [--quick] [--out results.json] [--markdown table.md]
-    python benchmarks/bench.py --scaling [--sizes 0.25,0.5,1,2] [--counts 100,1000,10000] [--plot docs/bench_scaling.png]
+    python benchmarks/bench.py --scaling [--sizes 0.25,0.5,1,2] [--counts 100,1000,10000]
+        [--plot docs/bench_scaling.png]
 
 All cases run on the same generated state (see :mod:`state`), once per repeat, in an order rotated every repeat so
 that slow drift of the shared disk spreads over all systems; medians are reported. Each system's numbers are then
@@ -350,8 +351,10 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
             ["restore warm s (verified)", tk.get("load_warm")],
             ["restore returned the last step, values equal", f"{tk.get('restored_step_ok')}, {tk.get('load_ok')}"],
             ["peak extra RSS during saves / state bytes", ratio(tk.get("rss_extra"), nbytes)],
-            ["RSS growth 2nd -> last save MiB", (tk["rss_growth_steady"] / (1 << 20)) if tk.get("rss_growth_steady") is not None else None],
-            ["peak extra RSS during restore MiB", (tk["rss_extra_restore"] / (1 << 20)) if tk.get("rss_extra_restore") is not None else None],
+            ["RSS growth 2nd -> last save MiB",
+             (tk["rss_growth_steady"] / (1 << 20)) if tk.get("rss_growth_steady") is not None else None],
+            ["peak extra RSS during restore MiB",
+             (tk["rss_extra_restore"] / (1 << 20)) if tk.get("rss_extra_restore") is not None else None],
             ["restore in_place=True cold s (verified)", tk.get("load_cold_inplace")],
             ["restore in_place=True cold / raw read next to it (median of the repeats' ratios)",
              tk.get("load_cold_inplace_vs_ref")],
@@ -359,7 +362,9 @@ def report_tables(d: dict[str, Any], med: dict[str, Metrics]) -> list[tuple[str,
              _quartiles(d.get("inplace_pairs"))],
             ["restore in_place=True warm s (verified)", tk.get("load_warm_inplace")],
             ["restore in_place=True: right step, values equal", tk.get("load_inplace_ok")],
-            ["peak extra RSS during in_place restore MiB", (tk["rss_extra_restore_inplace"] / (1 << 20)) if tk.get("rss_extra_restore_inplace") is not None else None],
+            ["peak extra RSS during in_place restore MiB",
+             (tk["rss_extra_restore_inplace"] / (1 << 20))
+             if tk.get("rss_extra_restore_inplace") is not None else None],
         ]  # fmt: skip
     for n in ("tierckpt+posix", "tierckpt+s3"):
         m = med.get(n, {})
@@ -720,9 +725,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-adjacent-read", action="store_true",
                    help="do not time a raw read next to every cold load (saves a raw read per load)")  # fmt: skip
     p.add_argument("--restore-pairs", type=int, default=None,
-                   help="cold in-place restores per repeat, each next to a raw read (default 4; 1 with --quick)")  # fmt: skip
+                   help="cold in-place restores per repeat, each next to a raw read "
+                        "(default 4; 1 with --quick)")  # fmt: skip
     p.add_argument("--quiet-wait", type=float, default=30.0,
-                   help="before each case wait up to this many s for other processes to go quiet (0: never)")  # fmt: skip
+                   help="before each case wait up to this many s for other processes to go quiet "
+                        "(0: never)")  # fmt: skip
     p.add_argument("--scaling", action="store_true", help="run the size and tensor-count sweeps instead")
     p.add_argument("--sizes", default="0.25,0.5,1,2", help="GiB sizes of the size sweep")
     p.add_argument("--counts", default="100,1000,10000", help="tensor counts of the count sweep")

@@ -604,8 +604,8 @@ def render(summary: dict[int, dict[str, dict[str, Any]]], fits: list[dict[str, A
         p = [_num(f["power"].get(str(n))) for n in EXTRAPOLATE_TO]
         lin = [_num(f["linear"].get(str(n))) for n in EXTRAPOLATE_TO]
         a, b = ("-" if v is None else f"{v:.3g}" for v in (f["a"], f["b"]))
-        lines.append(f"| {f['metric'][:46]:<46} | {e:>5} | {tail:>6} | {p[0]:>9} | {p[1]:>9} | {f['model'] or '-':<7} | "
-                     f"{a:>8} | {b:>7} | {lin[0]:>9} | {lin[1]:>9} |")
+        lines.append(f"| {f['metric'][:46]:<46} | {e:>5} | {tail:>6} | {p[0]:>9} | {p[1]:>9} | "
+                     f"{f['model'] or '-':<7} | {a:>8} | {b:>7} | {lin[0]:>9} | {lin[1]:>9} |")
     return "\n".join(lines)
 
 

@@ -13,7 +13,8 @@ Loopback has no round trip and no per-connection limit, unlike S3, where one con
 bandwidth. ``--emulate RTT_MS:MBPS`` adds both: every S3 request of this process first waits ``RTT_MS``, and a
 part or object upload ends no sooner than ``MBPS`` megabytes a second on one connection would take to send it
 (an ``asyncio.sleep`` inside s3fs's request call, beside the real request: requests in flight overlap as real ones
-would, and moto's own work on a body overlaps its emulated transfer, as S3's does). ``0:0`` is loopback as it is. Reported: median seconds, GB/s and ratios to one part at a time and to the plain put.
+would, and moto's own work on a body overlaps its emulated transfer, as S3's does). ``0:0`` is loopback as it is.
+Reported: median seconds, GB/s and ratios to one part at a time and to the plain put.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def ratios(run: dict[str, Any]) -> dict[str, tuple[float | None, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", help="bench.py JSON results (default: the newest run's docs/results/cpu_*_bench_*.json)")
+    p.add_argument("files", nargs="*",
+                   help="bench.py JSON results (default: the newest run's docs/results/cpu_*_bench_*.json)")
     p.add_argument("--size-gib", type=float, default=2.0, help="only runs of this state size (default 2)")
     p.add_argument("--markdown", help="write the table as Markdown here")
     a = p.parse_args(argv)

@@ -399,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, ms, f"{100 * (ov - 1):+.1f}%" if ov else "-", summary[name]["mean_save_step"],
                      ratio(summary[name]["mean_save_step"], base), summary[name]["stall"],
                      summary[name]["stall_vs_memcpy"], summary[name]["drain"],
-                     f"{sum(m['clean_steps'] for m in runs[name])}/{sum(m['steps_measured'] for m in runs[name])}"])  # fmt: skip
+                     f"{sum(m['clean_steps'] for m in runs[name])}/"
+                     f"{sum(m['steps_measured'] for m in runs[name])}"])  # fmt: skip
     sb = runs["none"][0].get("state_bytes", 0)
     title = (f"Training loop: {sb / 2**20:.0f} MiB of model+AdamW state, checkpoint every {cfg.every} steps, "
-             f"{cfg.steps} steps ({cfg.warmup} warm-up excluded), medians of {a.repeats}; steps during which other processes used the CPU are left out")  # fmt: skip
+             f"{cfg.steps} steps ({cfg.warmup} warm-up excluded), medians of {a.repeats}; "
+             "steps during which other processes used the CPU are left out")  # fmt: skip
     print(f"\n== {title} ==\n" + table(heads, rows))
     if tc is None:
         print(f"note: tierckpt not measured: {why}")

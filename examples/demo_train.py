@@ -71,7 +71,8 @@ def train(args: argparse.Namespace, role: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     data = Batches()
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "data": data, "rng": torch.get_rng_state(), "step": 0}
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "data": data, "rng": torch.get_rng_state(),
+             "step": 0}
     losses: dict[int, float] = {}
     use_ckpt = role != "reference"
     mgr = None
@@ -101,7 +102,8 @@ def train(args: argparse.Namespace, role: str) -> None:
             h = mgr.save(step, state, metadata={"loss": losses[step]})
             h.persisted.add_done_callback(lambda f, s=step, hh=h: print(
                 f"[{role}] step {s:4d}: stall {hh.record().stall_s * 1e3:7.2f} ms | locally durable after "
-                f"{f.result() * 1e3:7.1f} ms" if not f.exception() else f"[{role}] step {s}: save failed: {f.exception()}",
+                f"{f.result() * 1e3:7.1f} ms" if not f.exception()
+                else f"[{role}] step {s}: save failed: {f.exception()}",
                 flush=True))
             h.uploaded.add_done_callback(lambda f, s=step: print(
                 f"[{role}] step {s:4d}: remote copy committed after {f.result() * 1e3:7.1f} ms" if not f.exception()

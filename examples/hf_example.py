@@ -85,7 +85,8 @@ def train(args: argparse.Namespace, role: str) -> None:
         where = f"step {ckpt.resumed_step} ({ckpt.resumed_tier} tier)" if ckpt.resumed_step else "scratch"
         print(f"[{role}] started from {where}", flush=True)
     with open(os.path.join(args.dir, f"{role}.json"), "w") as f:
-        json.dump({"losses": report.losses, "weights_sum": sum(float(p.detach().double().sum()) for p in model.parameters()),
+        json.dump({"losses": report.losses,
+                   "weights_sum": sum(float(p.detach().double().sum()) for p in model.parameters()),
                    "weights": {k: v.tolist() for k, v in model.state_dict().items() if k == "lm_head.weight"}}, f)
 
 

@@ -49,4 +49,5 @@ if __name__ == "__main__":
     root = args.dir or tempfile.mkdtemp(prefix="tierckpt-lightning-")
     run(root, 20)
     run(root, 40, ckpt_path="last")  # a restarted job: resumes from the newest intact step (20)
-    print("steps in the local tier:", sorted(d for d in os.listdir(os.path.join(root, "local")) if d.startswith("step-")))
+    print("steps in the local tier:",
+          sorted(d for d in os.listdir(os.path.join(root, "local")) if d.startswith("step-")))

@@ -38,7 +38,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     args = p.parse_args()
     rank, world = setup()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
+              else torch.device("cpu"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(device)
     try:

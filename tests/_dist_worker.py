@@ -287,7 +287,7 @@ def scenario_posix2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
         return {"before": before, "during": during, "after": len(c10d._world.pg_map)}
 
     for name, fn in [("roundtrip", roundtrip), ("replace", replace), ("failed_save", failed_save),
-                     ("disk_full", disk_full),                      ("progress", progress), ("shared", shared), ("groups", groups)]:
+                     ("disk_full", disk_full), ("progress", progress), ("shared", shared), ("groups", groups)]:
         rec.phase(name, fn)
         dist.barrier()
 

@@ -127,7 +127,8 @@ def placements(spec: str) -> list[Any]:
 def distribute(full: dict[str, torch.Tensor], mesh: Any, specs: dict[str, str], *, zero: bool) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
-    return {k: distribute_tensor(torch.zeros_like(v) if zero else v, mesh, placements(specs[k])) for k, v in full.items()}
+    return {k: distribute_tensor(torch.zeros_like(v) if zero else v, mesh, placements(specs[k]))
+            for k, v in full.items()}
 
 
 def compare(restored: dict[str, Any], full: dict[str, torch.Tensor], specs: dict[str, str]) -> dict[str, Any]:
@@ -185,7 +186,8 @@ def fsdp_compare(m: Any, opt: Any, ref: dict[str, Any]) -> dict[str, Any]:
     optim = {}
     for fqn, s in ref["optim"]["state"].items():
         for k, v in s.items():
-            optim[f"{fqn}.{k}"] = same(got["state"][fqn][k], v) if isinstance(v, torch.Tensor) else got["state"][fqn][k] == v
+            optim[f"{fqn}.{k}"] = (same(got["state"][fqn][k], v) if isinstance(v, torch.Tensor)
+                                   else got["state"][fqn][k] == v)
     return {"model": model, "optim": optim, "model_keys": sorted(ref["model"]) == sorted(model),
             "optim_keys": sorted(got["state"]) == sorted(ref["optim"]["state"])}
 

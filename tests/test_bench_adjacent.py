@@ -136,7 +136,8 @@ def test_restore_pairs_are_pooled_over_repeats_and_summarized() -> None:
     assert (p["q1"], p["q3"]) == (pytest.approx(1.0), pytest.approx(1.5))
     assert bench.paired_ratios([(1.0, None)]) is None and bench.paired_ratios(None) is None
     d = bench.derive({"raw": {"read_cold_nf": 1.0},
-                      "tierckpt": {"load_cold_inplace": 1.3, "load_cold_inplace_vs_ref": 1.3, **med}}, 1 << 30)  # fmt: skip
+                      "tierckpt": {"load_cold_inplace": 1.3, "load_cold_inplace_vs_ref": 1.3, **med}},
+                     1 << 30)  # fmt: skip
     assert d["systems"]["tierckpt in_place restore"]["load_cold_vs_ref"] == pytest.approx(1.1)  # pooled, not 1.3
     assert d["inplace_pairs"]["n"] == 5
 

@@ -68,7 +68,8 @@ def _popen(args: list[str], *, env: dict[str, str] | None = None, stderr: Any = 
                             stdin=subprocess.DEVNULL, text=True, env=env or _env(), cwd=str(REPO_ROOT))
 
 
-def _run_all(calls: list[tuple[list[str], dict[str, str] | None]], workers: int = 3) -> list[subprocess.CompletedProcess]:
+def _run_all(calls: list[tuple[list[str], dict[str, str] | None]],
+             workers: int = 3) -> list[subprocess.CompletedProcess]:
     """Run CLI calls ``workers`` at a time (each pays the interpreter and torch start-up)."""
     from concurrent.futures import ThreadPoolExecutor
 

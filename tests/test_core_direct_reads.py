@@ -4,8 +4,8 @@
 bulk of a page-aligned buffer with ``O_DIRECT`` (an unaligned buffer and a file's unaligned tail buffered), and
 ``uncached`` says whether a range is mostly out of the page cache. A restore reads a file direct only then; either
 way the bytes are the file's, a short file gives a short count, and every byte is still verified.
-The page cache's state is read with ``cachestat`` or ``mincore`` (:func:`tierckpt.storage.local.cached_share`), the real thing the
-store decides on; a file is evicted with ``fsync`` + ``posix_fadvise(DONTNEED)``.
+The page cache's state is read with ``cachestat`` or ``mincore`` (:func:`tierckpt.storage.local.cached_share`),
+the real thing the store decides on; a file is evicted with ``fsync`` + ``posix_fadvise(DONTNEED)``.
 """
 
 from __future__ import annotations

@@ -213,7 +213,8 @@ def test_in_place_restore_falls_back_over_a_corrupt_newest_step(tmp_path: Path) 
     _assert_job_equal(got, jobs[1])
 
 
-def test_failed_in_place_restore_says_the_state_was_overwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_in_place_restore_says_the_state_was_overwritten(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_restore, "DIRECT_READ_MIN_BYTES", 0)  # "plain" (132 KB) is read straight into
     _saved(tmp_path, [3])
     _corrupt_plain(tmp_path, 3)
@@ -345,8 +346,10 @@ def test_loaded_buffer_ranges_are_bounds_checked() -> None:
     from tierckpt.snapshot.loaded import LoadedBuffer
 
     buf = torch.zeros(1000, dtype=torch.uint8)
-    recs = (TensorRecord(0, "a", "p", "F32", (10,), 0, 8, 40, "x"), TensorRecord(1, "b", "p", "U8", (100,), 1, 0, 100, "x"),
-            TensorRecord(2, "c", "p", "U8", (100,), 1, 850, 100, "x"), TensorRecord(3, "d", "p", "U8", (1,), 2, 0, 1, "x"))
+    recs = (TensorRecord(0, "a", "p", "F32", (10,), 0, 8, 40, "x"),
+            TensorRecord(1, "b", "p", "U8", (100,), 1, 0, 100, "x"),
+            TensorRecord(2, "c", "p", "U8", (100,), 1, 850, 100, "x"),
+            TensorRecord(3, "d", "p", "U8", (1,), 2, 0, 1, "x"))
     loaded = LoadedBuffer(buf, (0, 100))
     got = loaded.ranges(recs, [1, 0])
     assert got is not None
@@ -366,7 +369,8 @@ def test_in_place_option_is_validated(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------------ file plan
 
 
-@pytest.mark.parametrize(("mib", "threads", "want"), [(100, 2, 2), (1100, 2, 4), (1100, 3, 3), (40, 4, 1), (2100, 4, 8)])
+@pytest.mark.parametrize(("mib", "threads", "want"),
+                         [(100, 2, 2), (1100, 2, 4), (1100, 3, 3), (40, 4, 1), (2100, 4, 8)])
 def test_file_count_is_a_multiple_of_the_writer_threads(mib: int, threads: int, want: int) -> None:
     """Each writer/reader thread gets the same number of files of about the same size (3 files on 2 threads would
     leave one thread a whole file behind)."""
@@ -411,7 +415,8 @@ def test_manifest_encoding_is_the_dataclass_encoding() -> None:
     want["tensors"] = {f: [getattr(t, f) for t in tensors] for f in TensorRecord._fields if f != "index"}
     assert rm.to_bytes() == _seal(want)
     assert RankManifest.from_bytes(rm.to_bytes()) == rm
-    sm = StepManifest(step=3, world_size=2, save_id="abcd", ranks=(RankRef(0, "r0", 10, "00"), RankRef(1, "r1", 11, "11")),
+    sm = StepManifest(step=3, world_size=2, save_id="abcd",
+                      ranks=(RankRef(0, "r0", 10, "00"), RankRef(1, "r1", 11, "11")),
                       total_bytes=4122, holds_ranks=(1,))
     want = dataclasses.asdict(sm)
     want["format"] = FORMAT + ".step"

@@ -354,7 +354,8 @@ def test_a_copy_failing_mid_way_is_reported_once(tmp_path: Path, monkeypatch: py
         assert [s.step for s in mgr.steps()] == [1, 3]
         assert not step_path(root, 2).exists()
         assert leftovers(root) == []
-        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [step_path(root, 1).name, step_path(root, 3).name]
+        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [step_path(root, 1).name,
+                                                                        step_path(root, 3).name]
         _assert_restores(mgr, want, 3)
 
 

@@ -74,7 +74,8 @@ def test_batched_plan_equals_the_item_by_item_plan(monkeypatch: pytest.MonkeyPat
         assert batched.direct  # contiguous host tensors: read straight into
 
 
-def test_batched_plan_handles_non_contiguous_neg_and_grad_tensors_like_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batched_plan_handles_non_contiguous_neg_and_grad_tensors_like_the_walk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     saved_tree, recs = _records(_state(0))
     live = _state(2)
     live["plain"]["w5"] = torch.zeros(6, 3).t()  # right shape, strided: copied, not read into

@@ -45,7 +45,8 @@ def _saved(tmp_path) -> tuple[dict, object]:
 def test_data_files_of_picks_one_rank_and_save():
     names = ["manifest.json", "r00000-abcd1234.manifest.json", "r00000-p0001-abcd1234.safetensors",
              "r00000-p0000-abcd1234.safetensors", "r00001-p0000-abcd1234.safetensors",
-             "r00000-p0000-ffff0000.safetensors", ".r00000-p0002-abcd1234.safetensors", "r00000-p0003-abcd1234.safetensors.part"]
+             "r00000-p0000-ffff0000.safetensors", ".r00000-p0002-abcd1234.safetensors",
+             "r00000-p0003-abcd1234.safetensors.part"]
     assert layout.data_files_of(names, 0, "abcd1234") == ["r00000-p0000-abcd1234.safetensors",
                                                           "r00000-p0001-abcd1234.safetensors"]
     assert layout.data_files_of(names, 1, "abcd1234") == ["r00001-p0000-abcd1234.safetensors"]
@@ -76,7 +77,8 @@ def test_prefetch_follows_the_readers_order_within_budget(tmp_path, monkeypatch)
     order = [r for r, _, _ in calls]
     firsts = sorted(sizes, key=order.index)
     assert firsts == [f"{folder}/{n}" for n in data]
-    assert max(i for i, r in enumerate(order) if r in firsts[:2]) < min(i for i, r in enumerate(order) if r in firsts[2:4])
+    assert (max(i for i, r in enumerate(order) if r in firsts[:2])
+            < min(i for i, r in enumerate(order) if r in firsts[2:4]))
     assert order[:2] == firsts[:2]
 
     # the budget bounds what is asked for

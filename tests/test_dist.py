@@ -128,7 +128,8 @@ def test_failed_save_on_one_rank_uncommits_the_step_everywhere(posix2: Run) -> N
         assert [s for s, _ in rec["steps"]] == [1, 3]
     assert not (root / "fremote" / "step-0000000002").exists()
     for rank in (0, 1):
-        assert not any(p.name.startswith(("step-0000000002", ".tmp-step-0000000002")) for p in (root / f"f{rank}").iterdir())
+        assert not any(p.name.startswith(("step-0000000002", ".tmp-step-0000000002"))
+                       for p in (root / f"f{rank}").iterdir())
 
 
 def test_failed_save_the_failing_rank_also_gets_the_error_naming_it(posix2: Run) -> None:

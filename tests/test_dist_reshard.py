@@ -90,7 +90,7 @@ def rank_manifests(store_dir: Path, step: int) -> dict[int, Any]:
     return {rm.rank: rm for rm in rms}
 
 
-# ------------------------------------------------------------------------------------------------ 1. DTensor 2 -> 1, 4, 3
+# ---------------------------------------------------------------------------------------------- 1. DTensor 2 -> 1, 4, 3
 def test_dtensor_two_ranks_to_one_process_plain_tensors(saved: Run, tmp_path: Path) -> None:
     for step in (2, 1):
         st = {"model": {k: torch.zeros_like(v) for k, v in dt_full(step).items()}, "step": 0}
@@ -275,7 +275,8 @@ def test_damaged_rank1_shard_single_process(saved: Run, tmp_path: Path) -> None:
 def test_per_rank_state_refuses_other_world_sizes(saved: Run, load3: Run, load4: Run) -> None:
     for run in (load3, load4):
         for r, rec in enumerate(run.phases("plain_refused")):
-            assert rec["raised"] is not None and rec["raised"]["type"] == "StateMismatchError", f"{run.name} r{r}: {rec}"
+            assert rec["raised"] is not None and rec["raised"]["type"] == "StateMismatchError", (
+                f"{run.name} r{r}: {rec}")
             assert "resharded" in rec["raised"]["msg"], rec
             assert rec["untouched"], f"{run.name} rank {r}"
     st = {"w": torch.zeros(4), "n": -1}

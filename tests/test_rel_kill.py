@@ -287,7 +287,8 @@ def test_retention_kill_leaves_no_orphan_step_folder(server: Server, tmp_path: P
                       "steps": STEPS, "progress": str(tmp_path / "t" / "progress")})
     assert ans["killed"]
     # the step being deleted was renamed away atomically: no manifest-less step folder, only a .trash- leftover
-    assert _orphan_step_folders(root) == [], f"retention left step folders that are no checkpoint: {_orphan_step_folders(root)}"
+    assert _orphan_step_folders(root) == [], (
+        f"retention left step folders that are no checkpoint: {_orphan_step_folders(root)}")
     assert any(p.name.startswith(".trash-") for p in root.iterdir()), sorted(p.name for p in root.iterdir())
     with CheckpointManager(root, **MANAGER_KW) as mgr:
         for step in (10, 11, 12):

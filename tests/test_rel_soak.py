@@ -58,7 +58,8 @@ def test_soak_saves_and_restores(tmp_path: Path) -> None:
     assert base is not None
     rss0, fds0, thr0 = base
     rss1, fds1, thr1 = end
-    print(f"\nsoak {ROUNDS} rounds: rss {rss0 >> 20} -> {rss1 >> 20} MiB, fds {fds0} -> {fds1}, threads {thr0} -> {thr1}")
+    print(f"\nsoak {ROUNDS} rounds: rss {rss0 >> 20} -> {rss1 >> 20} MiB, fds {fds0} -> {fds1}, "
+          f"threads {thr0} -> {thr1}")
     assert rss1 - rss0 < 64 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB over {ROUNDS} rounds"
     assert fds1 <= fds0 + 2, f"open fds grew {fds0} -> {fds1}"
     assert thr1 <= thr0 + 1, f"threads grew {thr0} -> {thr1}"
@@ -69,6 +70,7 @@ def test_soak_saves_and_restores(tmp_path: Path) -> None:
     parsed = [json.loads(line) for line in lines]
     assert [p["step"] for p in parsed] == list(range(1, ROUNDS + 1))
     assert all(p["persist_s"] is not None and p["stall_s"] is not None for p in parsed)
-    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [f"step-{s:010d}" for s in (ROUNDS - 1, ROUNDS)]
+    assert (sorted(n for n in os.listdir(root) if n.startswith("step-"))
+            == [f"step-{s:010d}" for s in (ROUNDS - 1, ROUNDS)])
     # after close: every thread of the manager is gone
     assert [t.name for t in threading.enumerate() if t.name.startswith("tierckpt-") and t.is_alive()] == []

@@ -282,7 +282,8 @@ def test_cli_sync_takes_write_concurrency(tmp_path, s3_bucket, s3_server, capsys
         assert list_steps(remote) == {3: "committed"}
         assert _pending_uploads(remote) == []
         target = {"w": torch.zeros(5 * MiB)}
-        with tierckpt.CheckpointManager(tmp_path / "back", remote=url, storage_options=s3_server.storage_options()) as m:
+        with tierckpt.CheckpointManager(tmp_path / "back", remote=url,
+                                        storage_options=s3_server.storage_options()) as m:
             assert m.restore(target) == 3
         assert torch.equal(target["w"], state["w"])
     finally:
@@ -525,7 +526,8 @@ def test_unfinished_uploads_reads_every_page() -> None:
             assert method == "list_multipart_uploads"
             asked.append(kw)
             start = 0 if "KeyMarker" not in kw else next(
-                i + 1 for i, u in enumerate(uploads) if (u["Key"], u["UploadId"]) == (kw["KeyMarker"], kw["UploadIdMarker"]))
+                i + 1 for i, u in enumerate(uploads)
+                if (u["Key"], u["UploadId"]) == (kw["KeyMarker"], kw["UploadIdMarker"]))
             page = uploads[start : start + kw["MaxUploads"]]
             more = start + len(page) < len(uploads)
             out = {"Uploads": page, "IsTruncated": more}

@@ -69,7 +69,8 @@ class Coordinator:
         everyone = self.gather(me, self.main_group)
         node = tuple(sorted(r for host, path, r, _ in everyone if (host, path) == me[:2]))
         self.topology = Topology(rank, world, node, everyone[0][3])
-        log.info("rank %d of %d: local folder shared with ranks %s; run %s", rank, world, list(node), self.topology.run_id)
+        log.info("rank %d of %d: local folder shared with ranks %s; run %s", rank, world, list(node),
+                 self.topology.run_id)
 
     def announce(self, sid: str, what: str) -> None:
         """Leave a note in the job's c10d store (TCPStore/FileStore, outside any collective) that this rank reached

@@ -31,7 +31,8 @@ class SavePolicy:
         if self.every_steps is not None and (type(self.every_steps) is not int or self.every_steps < 1):
             raise ValueError(f"save_every_steps must be an int >= 1 or None, got {self.every_steps!r}")
         if self.every_seconds is not None and (
-            isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float)) or self.every_seconds <= 0
+            isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float))
+            or self.every_seconds <= 0
         ):
             raise ValueError(f"save_every_seconds must be a positive number or None, got {self.every_seconds!r}")
 

@@ -160,7 +160,8 @@ def _table_columns(table: Any, step: int | None, path: str | None) -> list[list[
     return cols
 
 
-def _checked_tensors(items: list[Any], files: list[FileRecord], step: int | None, path: str | None) -> list[TensorRecord]:
+def _checked_tensors(items: list[Any], files: list[FileRecord], step: int | None,
+                     path: str | None) -> list[TensorRecord]:
     """The tensor records, each field checked on its own so that an error names it."""
     tensors = []
     for i, td in enumerate(items):
@@ -181,7 +182,8 @@ def _checked_tensors(items: list[Any], files: list[FileRecord], step: int | None
             raise CorruptCheckpointError(f"tensors[{i}]: index out of order", step=step, path=path)
         shard = _shard(td.get("shard"), shape, f"tensors[{i}]", step, path)
         tensors.append(
-            TensorRecord(i, tg.str("name"), tg.str("path"), dtype, shape, fidx, offset, nbytes, tg.str("checksum"), kind, shard)
+            TensorRecord(i, tg.str("name"), tg.str("path"), dtype, shape, fidx, offset, nbytes, tg.str("checksum"),
+                         kind, shard)
         )
     return tensors
 
@@ -247,12 +249,14 @@ class StepManifest:
         g = _Getter(d, step, path)
         world = g.int("world_size")
         if len(g.list("ranks")) != world:
-            raise CorruptCheckpointError(f"manifest lists {len(g.list('ranks'))} ranks for world size {world}", step=step, path=path)
+            raise CorruptCheckpointError(f"manifest lists {len(g.list('ranks'))} ranks for world size {world}",
+                                         step=step, path=path)
         ranks = []
         for i, rd in enumerate(g.list("ranks")):
             rg = _Getter(rd, step, path, f"ranks[{i}]")
             ranks.append(
-                RankRef(rg.int("rank"), check_file_name(rg.str("name"), step=step, path=path), rg.int("size"), rg.str("checksum"))
+                RankRef(rg.int("rank"), check_file_name(rg.str("name"), step=step, path=path), rg.int("size"),
+                        rg.str("checksum"))
             )
         if world < 1 or sorted(r.rank for r in ranks) != list(range(world)):
             raise CorruptCheckpointError(f"manifest does not list exactly ranks 0..{world - 1}", step=step, path=path)
@@ -270,7 +274,8 @@ class StepManifest:
             holds_ranks=_holds_ranks(d.get("holds_ranks"), world, step, path),
         )
         if step is not None and m.step != step:
-            raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}", step=step, path=path)
+            raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}",
+                                         step=step, path=path)
         return m
 
 

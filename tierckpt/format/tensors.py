@@ -88,8 +88,8 @@ def table_records(cols: list[list[Any]], files_start: list[int], files_size: lis
         return None  # a tensor inside its file's header
     if not all(map(operator.le, map(operator.add, offsets, nbytes), map(files_size.__getitem__, fidx))):
         return None  # a tensor past its file's end
-    return list(map(make_record, zip(range(n), names, paths, dtypes, map(tuple, shapes), fidx, offsets, nbytes, checksums,
-                               kinds, shards)))
+    return list(map(make_record, zip(range(n), names, paths, dtypes, map(tuple, shapes), fidx, offsets, nbytes,
+                               checksums, kinds, shards)))
 
 
 def table_items(cols: list[list[Any]]) -> list[dict[str, Any]]:

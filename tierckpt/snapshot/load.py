@@ -349,7 +349,8 @@ class _Checker:
             sub = f"{path}[{key!r}]"
             if key not in cur:
                 if self.strict:
-                    raise _mismatch("unexpected key in checkpoint (not in the state; strict=False allows it)", sub, self.step)
+                    raise _mismatch("unexpected key in checkpoint (not in the state; strict=False allows it)",
+                                    sub, self.step)
                 self.free_dtensors(pair[1], sub)
                 self.plan.actions.append(_setter(cur, key, pair[1]))
                 continue
@@ -358,17 +359,20 @@ class _Checker:
             saved_set = set(saved_keys)
             missing = [k for k in cur if k not in saved_set]
             if missing:
-                raise _mismatch(f"key {missing[0]!r} missing from the checkpoint (strict=False allows it)", path, self.step)
+                raise _mismatch(f"key {missing[0]!r} missing from the checkpoint (strict=False allows it)",
+                                path, self.step)
 
     def value(self, parent: Any, key: Any, node: Any, path: str, depth: int) -> None:
         cur = parent[key]
         if _is_tag(node, "$stateful"):
             if not is_stateful(cur):
-                raise _mismatch(f"checkpoint holds an object with state_dict() but the state has {type(cur).__name__}", path, self.step)
+                raise _mismatch(f"checkpoint holds an object with state_dict() but the state has {type(cur).__name__}",
+                                path, self.step)
             self.stateful(cur, node["$stateful"], path)
         elif _is_tag(node, "$dtensor"):
             if not isinstance(cur, torch.Tensor):
-                raise _mismatch(f"checkpoint holds a distributed tensor but the state has {type(cur).__name__}", path, self.step)
+                raise _mismatch(f"checkpoint holds a distributed tensor but the state has {type(cur).__name__}",
+                                path, self.step)
             self.check_dtensor(cur, node, path)
             self.plan.actions.append(_dtensor_copier(cur, node["$dtensor"]))
         elif _is_tag(node, "$tensor"):
@@ -385,7 +389,8 @@ class _Checker:
             rec = self.record(node, "$ndarray", "numpy", path)
             if tuple(cur.shape) != rec.shape or NUMPY_TO_CODE.get(cur.dtype) != rec.dtype:
                 raise _mismatch(
-                    f"numpy array mismatch: checkpoint {rec.dtype}{list(rec.shape)}, state {cur.dtype}{list(cur.shape)}", path, self.step
+                    f"numpy array mismatch: checkpoint {rec.dtype}{list(rec.shape)}, "
+                    f"state {cur.dtype}{list(cur.shape)}", path, self.step
                 )
             self.plan.actions.append(_np_copier(cur, node["$ndarray"]))
         elif _is_tag(node, "$generator") and isinstance(cur, torch.Generator):
@@ -425,8 +430,8 @@ class _Checker:
         else:
             if _contains_tag(node, "$dtensor"):
                 raise _mismatch(
-                    f"{type(obj).__name__} state holds distributed tensors (DTensor) but nothing live to load them into; "
-                    "checkpoint get_optimizer_state_dict(model, optimizer) instead and load it back with "
+                    f"{type(obj).__name__} state holds distributed tensors (DTensor) but nothing live to load them "
+                    "into; checkpoint get_optimizer_state_dict(model, optimizer) instead and load it back with "
                     "set_optimizer_state_dict", path, self.step)
 
             if self.in_place:
@@ -461,7 +466,8 @@ class _Checker:
 
     def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | dict | None]:
         if not (_is_tag(node, "$dict") or _is_tag(node, "$odict")):
-            raise CorruptCheckpointError(f"malformed state tree: module state at {path} is not a mapping", step=self.step)
+            raise CorruptCheckpointError(f"malformed state tree: module state at {path} is not a mapping",
+                                         step=self.step)
         out: dict[str, TensorRecord | dict | None] = {}
         for pair in node.get("$dict", node.get("$odict")):
             if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
@@ -505,7 +511,8 @@ class _Checker:
         if tuple(cur.shape) != rec.shape:
             raise _mismatch(f"shape mismatch: checkpoint {list(rec.shape)}, state {list(cur.shape)}", path, self.step)
         if TORCH_TO_CODE.get(cur.dtype) != rec.dtype:
-            raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH.get(rec.dtype)}, state {cur.dtype}", path, self.step)
+            raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH.get(rec.dtype)}, state {cur.dtype}",
+                            path, self.step)
 
 
 def _contains_tag(node: Any, tag: str, depth: int = 0) -> bool:

@@ -123,8 +123,8 @@ class CopyProgress:
 class Slot:
     index: int
     buffer: torch.Tensor | None = None  # uint8, 1-D
-    # the copier._SlotLayout (destination views) of the plan last copied here; _allocate and close reset it to None, which
-    # drops every view of the old buffer
+    # the copier._SlotLayout (destination views) of the plan last copied here; _allocate and close reset it to None,
+    # which drops every view of the old buffer
     _views_for: object = None
     _views: list[torch.Tensor | np.ndarray] | None = None
     _headers_for: object = None

@@ -277,7 +277,8 @@ class _Flattener:
         return self._append(t, "torch", code, tuple(t.shape), numel * ITEMSIZE[code], path, prefix, shard, ptr)
 
     def add_array(self, a: np.ndarray, path: str, prefix: str | None) -> int:
-        code = NUMPY_TO_CODE.get(a.dtype.newbyteorder("=")) if a.dtype.byteorder not in ("|", "=") else NUMPY_TO_CODE.get(a.dtype)
+        code = (NUMPY_TO_CODE.get(a.dtype.newbyteorder("=")) if a.dtype.byteorder not in ("|", "=")
+                else NUMPY_TO_CODE.get(a.dtype))
         if code is None:
             raise TypeError(f"cannot checkpoint numpy array of dtype {a.dtype} at {path}")
         return self._append(a, "numpy", code, tuple(a.shape), a.size * a.dtype.itemsize, path, prefix)
@@ -313,7 +314,8 @@ class _Flattener:
         vals = [v for d in inner for v in d.values()]
         if len(vals) < BATCH_MIN or not set(map(type, vals)) <= PLAIN_TENSOR_TYPES:
             return None
-        if not set(map(type, keys)) <= PLAIN_KEY_TYPES or not set(map(type, chain.from_iterable(inner_keys))) <= PLAIN_KEY_TYPES:
+        if (not set(map(type, keys)) <= PLAIN_KEY_TYPES
+                or not set(map(type, chain.from_iterable(inner_keys))) <= PLAIN_KEY_TYPES):
             return None
         signature = (keys, inner_keys)
         memo = self.old_nodes.get((path, prefix))

@@ -360,7 +360,8 @@ class FsspecStore(Store):
         with self._guard("read", rel):
             data = self._cat(self._p(rel), 0, max_size + 1)
         if len(data) > max_size:
-            raise CheckpointError(f"file is more than the {max_size} bytes allowed", tier=self.tier, path=self.display(rel))
+            raise CheckpointError(f"file is more than the {max_size} bytes allowed", tier=self.tier,
+                                  path=self.display(rel))
         return bytes(data)
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> int:

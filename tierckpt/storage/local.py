@@ -14,16 +14,17 @@ direct part. The ``fsync`` before ``close()`` returns is the same either way.
 Reads: :meth:`LocalStore.readinto_direct` reads the aligned bulk of a page-aligned buffer with ``O_DIRECT`` (a
 restore after a restart: 10-20% faster on the benchmark host's disk, and no second copy through the cache), the
 rest buffered; :meth:`LocalStore.uncached` tells whether a range is mostly out of the page cache (``cachestat``, else
-``mincore`` on a mapping of the range: no I/O either way), and the reader (:mod:`tierckpt.tiers.reader`) reads direct only then, so a warm
-restore still reads from memory. The kernel writes back dirty cached pages of a range before a direct read of it,
-so either way the bytes are the file's. :meth:`LocalStore.prefetch` queues reads into the page cache
+``mincore`` on a mapping of the range: no I/O either way), and the reader (:mod:`tierckpt.tiers.reader`) reads direct
+only then, so a warm restore still reads from memory. The kernel writes back dirty cached pages of a range before a
+direct read of it, so either way the bytes are the file's. :meth:`LocalStore.prefetch` queues reads into the page cache
 (``posix_fadvise(WILLNEED)``), so that a buffered in-place restore keeps the disk busy while it parses manifests
 and plans.
 
-Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it (Linux >= 3.15,
-glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at a complete
-checkpoint. Elsewhere the old folder is first renamed to a ``.trash-`` name and the new one renamed into place; a crash
-between the two leaves the complete new folder under its ``.tmp-`` name, which start-up recovery renames into place.
+Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it
+(Linux >= 3.15, glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at
+a complete checkpoint. Elsewhere the old folder is first renamed to a ``.trash-`` name and the new one renamed into
+place; a crash between the two leaves the complete new folder under its ``.tmp-`` name, which start-up recovery renames
+into place.
 """
 
 from __future__ import annotations

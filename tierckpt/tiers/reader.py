@@ -81,7 +81,8 @@ class LoadedRank:
     offsets: tuple[int, ...]
 
 
-def read_manifests(store: Store, step: int, *, ranks: list[int] | None = None) -> tuple[StepManifest, list[RankManifest]]:
+def read_manifests(store: Store, step: int, *,
+                   ranks: list[int] | None = None) -> tuple[StepManifest, list[RankManifest]]:
     """The verified step manifest and the requested ranks' manifests (by default every rank this copy holds: all,
     or for a node-local copy of a multi-rank step the ranks in its ``holds_ranks``)."""
     manifest = read_step(store, step)
@@ -93,7 +94,8 @@ def read_step(store: Store, step: int) -> StepManifest:
     folder = layout.step_dir(step)
     manifest = read_step_manifest(store, folder, step)
     if manifest is None:
-        raise CheckpointNotFoundError("no committed checkpoint", step=step, tier=store.tier, path=f"{store.url}/{folder}")
+        raise CheckpointNotFoundError("no committed checkpoint", step=step, tier=store.tier,
+                                      path=f"{store.url}/{folder}")
     return manifest
 
 
@@ -115,7 +117,8 @@ def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = N
         try:
             raw = store.read_bytes(rel, max_size=min(ref.size, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
-            raise CorruptCheckpointError("rank manifest missing", step=step, tier=store.tier, path=where, bad_files=[ref.name]) from None
+            raise CorruptCheckpointError("rank manifest missing", step=step, tier=store.tier, path=where,
+                                         bad_files=[ref.name]) from None
         except StorageError:
             raise  # the store could not be read (unreachable, denied): that says nothing about the checkpoint
         except Exception as exc:
@@ -199,11 +202,13 @@ def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
     pos = f.data_start
     for start, end in ranges:
         if start != pos:
-            raise CorruptCheckpointError(f"tensor ranges of {f.name} leave a gap or overlap", step=rm.step, bad_files=[f.name])
+            raise CorruptCheckpointError(f"tensor ranges of {f.name} leave a gap or overlap", step=rm.step,
+                                         bad_files=[f.name])
         ends.append(end)
         pos = end
     if pos != f.size:
-        raise CorruptCheckpointError(f"tensor ranges of {f.name} do not reach its end", step=rm.step, bad_files=[f.name])
+        raise CorruptCheckpointError(f"tensor ranges of {f.name} do not reach its end", step=rm.step,
+                                     bad_files=[f.name])
     return ends
 
 
@@ -558,7 +563,8 @@ def load_rank(
     manifest, rms = read_manifests(store, step, ranks=[rank])
     if world_size is not None and manifest.world_size != world_size:
         raise CorruptCheckpointError(
-            f"checkpoint was saved by {manifest.world_size} ranks, this job has {world_size}", step=step, tier=store.tier)
+            f"checkpoint was saved by {manifest.world_size} ranks, this job has {world_size}",
+            step=step, tier=store.tier)
     if not rms:
         raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=step, tier=store.tier)
     views, offsets = load_files(store, rms[0], alloc, executor=executor)

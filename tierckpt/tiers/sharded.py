@@ -180,7 +180,8 @@ def commit_remote(remote: Store, manifest: StepManifest, *, deadline_s: float | 
             break
         if deadline is not None and time.monotonic() > deadline:
             missing = sorted(r.rank for r in manifest.ranks if r.rank not in refs)
-            raise UploadError(f"ranks {missing} did not upload their shards in time; the step is not committed remotely",
+            raise UploadError(f"ranks {missing} did not upload their shards in time; "
+                              "the step is not committed remotely",
                               step=manifest.step, tier=remote.tier, path=f"{remote.url}/{folder}")
         time.sleep(POLL_S)
     final = dataclasses.replace(manifest, ranks=tuple(refs[r.rank] for r in manifest.ranks), holds_ranks=None)

@@ -184,7 +184,8 @@ def run_jobs(pool: ThreadPoolExecutor, ctx: Transfer, jobs: list[tuple[str, Call
             if ctx.cancel is not None and ctx.cancel.is_set():
                 raise TransferFailed(futures[next(iter(pending))], Cancelled(f"step {ctx.step}: cancelled"))
             if ctx.deadline is not None and time.monotonic() >= ctx.deadline:
-                raise TransferFailed(futures[next(iter(pending))], DeadlineExceeded(f"step {ctx.step}: deadline reached"))
+                raise TransferFailed(futures[next(iter(pending))], DeadlineExceeded(
+                    f"step {ctx.step}: deadline reached"))
             if ctx.stalled():  # a silent endpoint: its requests would wait out the backend's timeouts and retries
                 raise TransferFailed(futures[next(iter(pending))], DeadlineExceeded(
                     f"step {ctx.step}: no progress for {ctx.stall_s:g} s (the remote is silent or stalled)"))

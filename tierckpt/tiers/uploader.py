@@ -118,8 +118,8 @@ def replicate_step(
 
     ``threads`` files go in parallel; ``part_size`` bytes are read, (compressed,) throttled and written at a time;
     ``bandwidth_bytes_per_s`` caps the bytes written per second over all threads (``bucket``, a cap shared with
-    other steps, such as a manager's, replaces it: a new cap per step would let every step burst); ``compression`` is None or
-    ``"zstd"``; ``verify`` re-reads and hashes every uploaded file; ``retry`` applies per file and per manifest;
+    other steps, such as a manager's, replaces it: a new cap per step would let every step burst); ``compression`` is
+    None or ``"zstd"``; ``verify`` re-reads and hashes every uploaded file; ``retry`` applies per file and per manifest;
     ``deadline_s`` bounds the whole step; ``progress(n)`` is called with the bytes read from the local tier as they
     go (resent bytes count again); setting ``cancel`` stops the step within a chunk's time; ``stall_s`` fails the
     step once nothing has moved for that long (no request succeeded, no chunk was handed over), even while a
