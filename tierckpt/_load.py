@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,7 @@ import torch
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from .format import hashing, layout
-from .format.manifest import RankManifest, TensorRecord
+from .format.manifest import RankManifest, StepManifest, TensorRecord
 from .snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
 from .snapshot.load import decode_tree
 from .snapshot.loaded import byte_view
@@ -272,3 +272,55 @@ def _read_run(store: Store, rm: RankManifest, index: int, run: list[TensorRecord
         if hashing.digest(view).hex() != rec.checksum:
             raise CorruptCheckpointError(f"checksum mismatch in {f.name} (tensor {rec.path})", step=rm.step,
                                          tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
+
+
+def load_rank_entries(mgr: CheckpointManager, store: Store, manifest: StepManifest, rank: int, key: str,
+                      names: Collection[str] | None = None) -> dict[str, Any]:
+    """Entries ``names`` (all with None) of the top-level mapping ``key`` of rank ``rank``'s saved tree, from the
+    copy of step ``manifest.step`` in ``store``, as plain values: only those entries' records are read, every byte
+    verified as in :func:`load_copy` (used by :mod:`tierckpt.dcp`, whose ranks read other ranks' records).
+
+    Raises :class:`CheckpointNotFoundError` when this copy does not hold ``rank``'s shard,
+    :class:`CorruptCheckpointError` for a damaged copy or a name the mapping does not hold (a reader asks only for
+    names its step's metadata says were written), :class:`StateMismatchError` when the tree has no key ``key``."""
+    step = manifest.step
+    where = f"{store.url}/{layout.step_dir(step)}"
+    rms = read_ranks(store, manifest, [rank])
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=step, tier=store.tier, path=where)
+    rm = rms[0]
+    root = select(rm.tree, [key], step=step, tier=store.tier, where=where)
+    pairs = root[next(iter(root))]
+    node = pairs[0][1] if pairs else None
+    tag = next((t for t in ("$dict", "$odict") if isinstance(node, dict) and len(node) == 1 and t in node), None)
+    if tag is None or not isinstance(node[tag], list):
+        raise CorruptCheckpointError(f"rank {rank}'s {key!r} is not a mapping", step=step, tier=store.tier, path=where)
+    entries = [p for p in node[tag] if isinstance(p, list) and len(p) == 2 and type(p[0]) is str]
+    if names is not None:
+        wanted_names = set(names)
+        entries = [p for p in entries if p[0] in wanted_names]
+        missing = wanted_names - {p[0] for p in entries}
+        if missing:
+            raise CorruptCheckpointError(f"rank {rank}'s {key!r} lacks {len(missing)} entries its metadata names, "
+                                         f"e.g. {sorted(missing)[0]!r}", step=step, tier=store.tier, path=where)
+    sub = {"$dict": entries}
+    wanted, _ = referenced(sub, len(rm.tensors))
+    values = read_records(mgr, store, rm, wanted)
+    return decode_tree(sub, rm.tensors, values.__getitem__, step=step)
+
+
+def load_rank_keys(mgr: CheckpointManager, store: Store, manifest: StepManifest, rank: int,
+                   keys: Sequence[str]) -> dict[str, Any]:
+    """Top-level ``keys`` of rank ``rank``'s saved tree in the copy of step ``manifest.step`` in ``store``, as plain
+    values (every byte verified; no DTensor assembly: a ``$dtensor`` entry decodes as None). Raises as
+    :func:`load_rank_entries` does, and :class:`StateMismatchError` for a key the tree does not hold."""
+    step = manifest.step
+    where = f"{store.url}/{layout.step_dir(step)}"
+    rms = read_ranks(store, manifest, [rank])
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=step, tier=store.tier, path=where)
+    rm = rms[0]
+    root = select(rm.tree, keys, step=step, tier=store.tier, where=where)
+    wanted, _ = referenced(root, len(rm.tensors))
+    values = read_records(mgr, store, rm, wanted)
+    return decode_tree(root, rm.tensors, values.__getitem__, step=step, dtensor=lambda path: None)

@@ -581,9 +581,7 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int or None, got {step!r}")
         if source == "remote" and self.remote is None:
             raise ValueError("source='remote' but this manager has no remote tier")
-        self.snapshot_barrier()
-        # a save still being written locally is restorable once it commits; uploads are not waited for
-        wait_futures(list(self._persisting))
+        self.wait_persisted()  # a save still being written locally is loadable once it commits; not the uploads
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
         if self._coord is None:
             listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
@@ -647,14 +645,21 @@ class CheckpointManager:
                 raise ValueError(f"keys must be None or a list or tuple of str, got {keys!r}")
             if not keys:
                 raise ValueError("keys must name at least one top-level key (None loads them all)")
-        self.snapshot_barrier()
-        # a save still being written locally is loadable once it commits; uploads are not waited for
-        wait_futures(list(self._persisting))
+        self.wait_persisted()  # a save still being written locally is loadable once it commits; not the uploads
         tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
         listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)  # each rank on its own
         listing.require(step, ", ".join(t.url for t in tiers))
         with _gc.paused():
             return _load.load(self, step, tiers, keys=None if keys is None else list(keys), listing=listing)
+
+    def wait_persisted(self) -> None:
+        """Block until every save made so far is committed on the local tier (uploads go on in the background):
+        what :meth:`restore` and :meth:`load` do first, so that a save still being written is loadable once it
+        commits. Framework plug-ins that read the tiers themselves call it too. Raises :class:`CheckpointError`
+        if the manager is closed; a save that failed does not raise here (``wait()`` and the next ``save()`` do)."""
+        self._check_open()
+        self.snapshot_barrier()
+        wait_futures(list(self._persisting))
 
     def latest_step(self) -> int | None:
         """The newest committed step in any tier (committed = manifest present; restore verifies), or None when
