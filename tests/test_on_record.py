@@ -73,3 +73,21 @@ def test_a_failed_upload_is_reported_and_a_raising_hook_is_logged(tmp_path: Path
 def test_on_record_is_validated(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="on_record"):
         CheckpointManager(tmp_path / "c", on_record=bad)
+
+
+def test_a_hook_added_later_gets_the_next_records_once(tmp_path: Path) -> None:
+    got: list[int] = []
+
+    def hook(rec: SaveRecord) -> None:
+        got.append(rec.step)
+
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, _state(1)).persisted.result(timeout=30)
+        mgr.wait()
+        mgr.add_on_record(hook)
+        mgr.add_on_record(hook)  # not twice
+        mgr.save(2, _state(2))
+        mgr.wait()
+        with pytest.raises(ValueError, match="on_record"):
+            mgr.add_on_record("not callable")  # type: ignore[arg-type]
+    assert got == [2]

@@ -21,12 +21,18 @@ tier or an older step), writes only its ``trainer_state.json`` into a temporary 
 values from the loaded step when called with that folder (any other folder goes to HF's own methods). Nothing is
 unpickled: HF's ``torch.load`` of ``optimizer.pt``/``rng_state.pth`` is never reached.
 
+Logging: each save's :class:`~tierckpt.handle.SaveRecord` arrives on a background thread once the save is resolved
+in every tier; the callback keeps it and adds ``checkpoint/stall_s``, ``checkpoint/persist_s``, ``checkpoint/upload_s``,
+``checkpoint/upload_lag_steps`` and ``checkpoint/step`` (the save they belong to) to the next logs HF writes (see
+:meth:`TieredCheckpointCallback.checkpoint_logs`), so they land in ``log_history`` next to the loss.
+
 Not covered: DeepSpeed and FSDP trainers (their checkpoints are sharded by their own engines; ``prepare_resume``
 refuses them), SageMaker model parallel and XLA/TPU RNG states.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -34,6 +40,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import warnings
 from typing import Any
 
@@ -42,6 +49,7 @@ import torch
 from transformers import TrainerCallback
 
 from .errors import CheckpointNotFoundError
+from .handle import SaveRecord
 from .manager import CheckpointManager
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ log = logging.getLogger(__name__)
 __all__ = ["TieredCheckpointCallback", "train", "accelerate_state"]
 
 _TRAINER_STATE_NAME = "trainer_state.json"
+#: records kept until the next log (the oldest are dropped beyond this)
+MAX_BUFFERED_RECORDS = 1000
 
 
 def _rng_state() -> dict[str, Any]:
@@ -92,6 +102,12 @@ class TieredCheckpointCallback(TrainerCallback):
         last_handle: the :class:`~tierckpt.SaveHandle` of the newest save (``persisted``/``uploaded`` futures).
         resumed_step / resumed_tier: what :meth:`prepare_resume` loaded (None before, or on a fresh start).
 
+    Logs: each resolved save's seconds and the upload lag are added to the next logs HF writes
+    (:meth:`checkpoint_logs`). With :func:`train` (or :meth:`prepare_resume`) the callback knows the trainer and
+    adds them before HF records the logs, so they reach ``log_history`` and every ``report_to`` integration; with a
+    plain ``trainer.train()`` they are added in ``on_log``: to that ``log_history`` entry and to the ``logs`` the
+    callbacks after this one see (the ``report_to`` integrations, registered before it, do not see them).
+
     Switch HF's own synchronous checkpoints off (``TrainingArguments(save_strategy="no")``); the callback warns
     once when they are on. At the end of training the manager is closed: that waits until every save is durable
     on every tier. Resume with :func:`train` (or :meth:`prepare_resume`).
@@ -115,6 +131,9 @@ class TieredCheckpointCallback(TrainerCallback):
         self._warned_hf_save = False
         self._resume_dir: str | None = None
         self._loaded: dict[str, Any] | None = None
+        self._records: collections.deque[SaveRecord] = collections.deque(maxlen=MAX_BUFFERED_RECORDS)
+        self._records_lock = threading.Lock()
+        self._in_trainer_log = False  # inside the trainer.log wrapper of _install_log
 
     # -- the manager --------------------------------------------------------------------------------------------
 
@@ -122,8 +141,54 @@ class TieredCheckpointCallback(TrainerCallback):
     def manager(self) -> CheckpointManager:
         """The manager (created on first use, again after :meth:`close`)."""
         if self._manager is None:
-            self._manager = CheckpointManager(self.local_dir, self.remote, **self.manager_options)
+            opts = dict(self.manager_options)
+            self._manager = CheckpointManager(self.local_dir, self.remote, **opts)
+            self._manager.add_on_record(self._keep_record)
         return self._manager
+
+    # -- logs ---------------------------------------------------------------------------------------------------
+
+    def _keep_record(self, rec: SaveRecord) -> None:  # the manager's background thread
+        with self._records_lock:
+            self._records.append(rec)
+
+    def checkpoint_logs(self) -> dict[str, float]:
+        """The values to add to the next logs, from the saves resolved since the last call (empty if none): the
+        newest resolved save's ``checkpoint/stall_s``, ``checkpoint/persist_s``, ``checkpoint/upload_s`` (each
+        when known: no upload seconds without a remote tier or for a failed upload), its step as
+        ``checkpoint/step``, and ``checkpoint/upload_lag_steps`` from ``health()`` now."""
+        with self._records_lock:
+            if not self._records:
+                return {}
+            rec = self._records[-1]
+            self._records.clear()
+        values: dict[str, Any] = {"stall_s": rec.stall_s, "persist_s": rec.persist_s, "upload_s": rec.upload_s,
+                                  "step": rec.step}
+        if self._manager is not None:
+            try:
+                values["upload_lag_steps"] = self._manager.health().upload_lag_steps
+            except Exception as exc:  # never let metrics stop training
+                log.debug("tierckpt.hf: health() failed: %s", exc)
+        return {f"checkpoint/{k}": (v if k == "step" else float(v)) for k, v in values.items() if v is not None}
+
+    def _install_log(self, trainer: Any) -> None:
+        """Add the checkpoint values to the logs before HF records them (an instance attribute; idempotent)."""
+        if trainer.__dict__.get("_tierckpt_log") is self:
+            return
+        original = trainer.log
+        cb = self
+
+        def log_with_checkpoints(logs, *args, **kwargs):
+            if isinstance(logs, dict):
+                logs.update(cb.checkpoint_logs())
+            cb._in_trainer_log = True  # on_log, called inside, has nothing left to add
+            try:
+                return original(logs, *args, **kwargs)
+            finally:
+                cb._in_trainer_log = False
+
+        trainer.log = log_with_checkpoints
+        trainer.__dict__["_tierckpt_log"] = self
 
     def close(self) -> None:
         """Wait until every save is durable on every tier, release the local folder, remove the resume folder."""
@@ -149,6 +214,7 @@ class TieredCheckpointCallback(TrainerCallback):
         if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
             raise NotImplementedError("TieredCheckpointCallback resume does not support DeepSpeed or FSDP trainers")
         self._trainer = trainer
+        self._install_log(trainer)
         mgr = self.manager
         try:
             result = mgr.load()
@@ -295,6 +361,14 @@ class TieredCheckpointCallback(TrainerCallback):
                 self._flush(args, state, kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._in_trainer_log and isinstance(logs, dict):  # a trainer without the log wrapper
+            extra = self.checkpoint_logs()
+            if extra:
+                entry = state.log_history[-1] if state.log_history else None
+                # HF appended {**logs, "step": global_step} just before calling on_log: that entry is this log
+                if isinstance(entry, dict) and entry.get("step") == state.global_step and set(logs) <= set(entry):
+                    entry.update(extra)
+                logs.update(extra)
         if not control.should_evaluate:
             self._flush(args, state, kwargs)
 

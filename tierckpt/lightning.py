@@ -43,14 +43,22 @@ saved without its folder lock (:mod:`tierckpt.readonly`): from the same local fo
 remote tier on the other nodes (a multi-node DDP job needs ``remote``). FSDP and ModelParallel strategies bypass
 ``CheckpointIO`` for sharded checkpoints (they write torch.distributed.checkpoint folders themselves): use tierckpt's
 own manager per rank with the DTensor state (docs/distributed.md) there.
+
+Logging: the plug-in keeps each save's :class:`~tierckpt.handle.SaveRecord` (they arrive on a background thread once
+the save is resolved in every tier); add :class:`TieredCheckpointLogger` to the Trainer's callbacks and it logs
+``checkpoint/stall_s``, ``checkpoint/persist_s``, ``checkpoint/upload_s`` and ``checkpoint/upload_lag_steps``
+through the Trainer's loggers, from the training thread, at the step each record belongs to.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import re
+import threading
+import time
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -59,24 +67,29 @@ import torch
 
 from . import readonly
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RollbackError
+from .handle import SaveRecord
 from .manager import CheckpointManager
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.utilities.cloud_io import get_filesystem
+    from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone pytorch_lightning package
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
     from lightning_fabric.utilities.cloud_io import get_filesystem  # type: ignore[no-redef]
+    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TieredCheckpointIO"]
+__all__ = ["TieredCheckpointIO", "TieredCheckpointLogger"]
 
 MARKER_KEY = "tierckpt_step"
 #: Tensors larger than this in a differing callback state are not kept in a marker (see :meth:`_overrides`).
 MAX_OVERRIDE_TENSOR_BYTES = 1 << 16
 _LAST_NAME = re.compile(r"^last(-v?\d+)?$")
 _STEP_IN_NAME = re.compile(r"step=(\d+)")
+#: records kept for a :class:`TieredCheckpointLogger` (the oldest are dropped when no logger takes them)
+MAX_BUFFERED_RECORDS = 1000
 
 
 class _ReadOnly:
@@ -117,6 +130,11 @@ class TieredCheckpointIO(CheckpointIO):
         self._last: tuple[int, dict] | None = None  # (step, copy of the callbacks state of its first save)
         self._loaded_step: int | None = None
         self.last_handle = None  # the SaveHandle of the newest save (tests, callers wanting handle.persisted)
+        # records of resolved saves, for TieredCheckpointLogger (filled on the manager's background thread)
+        self._records: collections.deque[SaveRecord] = collections.deque(maxlen=MAX_BUFFERED_RECORDS)
+        self._unresolved: set[int] = set()  # steps saved whose record has not arrived
+        self._early: set[int] = set()  # steps whose record arrived before save_checkpoint noted the save
+        self._records_cond = threading.Condition()
 
     # ------------------------------------------------------------------------------------------------ manager
     @property
@@ -133,7 +151,47 @@ class TieredCheckpointIO(CheckpointIO):
             opts.setdefault("rank", 0)
             opts.setdefault("world_size", 1)
             self._mgr = CheckpointManager(self.local_dir, self.remote, **opts)
+            self._mgr.add_on_record(self._keep_record)
         return self._mgr
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the strategy and its plug-ins
+        state = dict(self.__dict__)
+        state["_records_cond"] = None
+        state["_records"] = list(self._records)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._records = collections.deque(state["_records"], maxlen=MAX_BUFFERED_RECORDS)
+        self._records_cond = threading.Condition()
+
+    # ------------------------------------------------------------------------------------------------ records
+    def _keep_record(self, rec: SaveRecord) -> None:
+        with self._records_cond:
+            self._records.append(rec)
+            if rec.step in self._unresolved:
+                self._unresolved.discard(rec.step)
+            else:
+                self._early.add(rec.step)
+            self._records_cond.notify_all()
+
+    def take_records(self) -> list[SaveRecord]:
+        """The records of the saves resolved since the last call (in the order they resolved), for loggers."""
+        with self._records_cond:
+            out = list(self._records)
+            self._records.clear()
+        return out
+
+    def wait_records(self, timeout: float | None = None) -> bool:
+        """Wait until every save of this plug-in has its record (each save resolved in every tier); True if so."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._records_cond:
+            while self._unresolved:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._records_cond.wait(left)
+        return True
 
     # ------------------------------------------------------------------------------------------------ save
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -163,6 +221,11 @@ class TieredCheckpointIO(CheckpointIO):
                 raise TypeError(f"TieredCheckpointIO: Lightning's checkpoint for {path} holds a value tierckpt "
                                 f"cannot store (nothing is pickled): {exc}") from exc
             self.last_handle = handle
+            with self._records_cond:
+                if step in self._early:  # its record arrived before this line
+                    self._early.discard(step)
+                else:
+                    self._unresolved.add(step)
             self._last = (step, _copy_tree(checkpoint.get("callbacks")))
         self._paths[path] = step
         marker = {MARKER_KEY: step, "root": os.path.abspath(self.local_dir), "remote": self.remote}
@@ -259,7 +322,96 @@ class TieredCheckpointIO(CheckpointIO):
         mgr, self._mgr = self._mgr, None
         self._last = None
         if mgr is not None:
-            mgr.close()
+            try:
+                mgr.close()
+            finally:
+                with self._records_cond:
+                    self._unresolved.clear()
+                    self._early.clear()
+                    self._records_cond.notify_all()
+
+
+def _tiered_io(trainer: Any) -> TieredCheckpointIO | None:
+    """The trainer's TieredCheckpointIO, looking through wrappers such as ``AsyncCheckpointIO``."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    for _ in range(8):
+        if io is None or isinstance(io, TieredCheckpointIO):
+            return io
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
+class TieredCheckpointLogger(Callback):
+    """Logs the checkpoint stall next to the loss: each save's ``checkpoint/stall_s``, ``checkpoint/persist_s``,
+    ``checkpoint/upload_s`` (absent when not uploaded: no remote tier, failed, skipped) and
+    ``checkpoint/upload_lag_steps`` (``health()`` when the record is logged), through ``trainer.loggers``, at
+    the step of the save (its ``global_step``). Needs the Trainer's plug-in to be a :class:`TieredCheckpointIO`.
+
+    Records arrive once a save is resolved in every tier, on a background thread; they are logged from the training
+    thread at the next ``on_train_batch_end``, so a save's values show up a few steps after it, at its own step.
+    At ``on_train_end`` the callback waits (``wait_on_train_end``, at most ``timeout_s``) for the pending saves'
+    records so the last ones are logged too; the plug-in's teardown would wait for those saves anyway.
+
+    Args:
+        prefix: the metric name prefix.
+        wait_on_train_end: wait for the records of pending saves at the end of training.
+        timeout_s: the longest that wait (None: as long as the saves take).
+    """
+
+    def __init__(self, prefix: str = "checkpoint/", *, wait_on_train_end: bool = True,
+                 timeout_s: float | None = None) -> None:
+        self.prefix = prefix
+        self.wait_on_train_end = wait_on_train_end
+        self.timeout_s = timeout_s
+        self._warned = False
+
+    def _io(self, trainer: Any) -> TieredCheckpointIO | None:
+        io = _tiered_io(trainer)
+        if io is None and not self._warned:
+            self._warned = True
+            log.warning("TieredCheckpointLogger: the Trainer's checkpoint_io is not a TieredCheckpointIO; nothing "
+                        "is logged")
+        return io
+
+    def metrics(self, rec: SaveRecord, lag_steps: int | None) -> dict[str, float]:
+        """What is logged for one record (the values that are known)."""
+        values = {"stall_s": rec.stall_s, "persist_s": rec.persist_s, "upload_s": rec.upload_s,
+                  "upload_lag_steps": lag_steps}
+        return {self.prefix + k: float(v) for k, v in values.items() if v is not None}
+
+    def log_records(self, trainer: Any) -> int:
+        """Log the records resolved since the last call; returns how many."""
+        io = self._io(trainer)
+        if io is None:
+            return 0
+        records = io.take_records()
+        if not records or not trainer.loggers:
+            return len(records)
+        lag: int | None = None
+        if io._mgr is not None:
+            try:
+                lag = io._mgr.health().upload_lag_steps
+            except Exception as exc:  # never let metrics stop training
+                log.debug("TieredCheckpointLogger: health() failed: %s", exc)
+        for rec in records:
+            values = self.metrics(rec, lag)
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=rec.step)
+        for logger in trainer.loggers:
+            logger.save()
+        return len(records)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log_records(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        io = self._io(trainer)
+        if io is None:
+            return
+        if self.wait_on_train_end and not io.wait_records(self.timeout_s):
+            log.warning("TieredCheckpointLogger: saves still unresolved after %s s at the end of training; their "
+                        "records are not logged", self.timeout_s)
+        self.log_records(trainer)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -753,6 +753,13 @@ class CheckpointManager:
         self._last_step = None if self._last_step is None or self._last_step <= step else step
         return sorted(newer)
 
+    def add_on_record(self, hook: Callable[[SaveRecord], None]) -> None:
+        """Add an ``on_record`` hook after construction (a metrics exporter attached later); a hook already there
+        is not added twice. ``ValueError`` if ``hook`` is not callable."""
+        (hook,) = _record_hooks(hook)
+        if not any(h is hook for h in self._on_record):
+            self._on_record = (*self._on_record, hook)  # one tuple swap: the thread that calls them sees either
+
     def records(self) -> list[SaveRecord]:
         """Records of this manager's saves, oldest first."""
         return list(self._records)
