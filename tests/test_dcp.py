@@ -333,3 +333,30 @@ def test_fsdp2_save_load(tmp_path: Path, save_world: int, load_world: int) -> No
         assert rec["load_after_corruption"]["step"] == 30
         _compare(saved[0]["async_saves"]["30"], rec["load_after_corruption"]["state"])
     assert cli.main(["verify", str(remote)]) == 1  # step 40 was damaged on purpose
+
+
+@pytest.mark.parametrize("point", ["mid-file", "before-manifest"])
+def test_a_step_killed_mid_save_is_never_chosen(tmp_path: Path, point: str) -> None:
+    """A process SIGKILLed while ``dcp.save`` writes step 2 (before its manifest is durable) leaves no checkpoint
+    of step 2: the next ``dcp.load`` (newest) loads step 1, and asking for step 2 raises. (Killed after the manifest
+    is durable, the step is complete: start-up recovery commits it, and it loads whole.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    env = {**os.environ, "TIERCKPT_FAULT": f"{point}:2", "PYTHONPATH": str(TESTS_DIR.parent)}
+    proc = subprocess.run([sys.executable, str(TESTS_DIR / "_dcp_kill.py"), str(root)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    with tierckpt.CheckpointManager(root, keep_local=5) as m:
+        state = {"w": torch.zeros(4096), "b": torch.zeros(10, dtype=torch.int64)}
+        reader = tdcp.StorageReader(m)
+        dcp.load(state, storage_reader=reader)
+        assert reader.loaded_step == 1
+        assert torch.equal(state["w"], torch.full((4096,), 1.0)) and torch.equal(state["b"], torch.arange(10) + 1)
+        assert [s.step for s in m.steps()] == [1]
+        with pytest.raises(CheckpointException) as ei:
+            dcp.load(state, storage_reader=tdcp.StorageReader(m, step=2))
+        assert isinstance(failure(ei.value), CheckpointNotFoundError)
