@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -56,10 +57,16 @@ from .tiers.reader import (
 )
 from .tiers.tasks import run_all
 
-if TYPE_CHECKING:
-    from .manager import CheckpointManager
-
 log = logging.getLogger(__name__)
+
+
+class Readers(Protocol):
+    """What the readers here need: whose saved part to read and the io and hashing thread pools (a manager's
+    :class:`~tierckpt._engine.Engine`, or :class:`tierckpt.readonly.Reader` beside a job that owns the root)."""
+
+    rank: int
+    io: Executor
+    hash: Executor
 
 #: Adjacent wanted tensors of a file read in part are read together up to this many bytes (one ``preadv`` on a
 #: local path, one ranged request on an object store); a larger tensor is read on its own, straight into its memory.
@@ -90,7 +97,7 @@ class LoadResult:
     metadata: Any
 
 
-def load(mgr: CheckpointManager, step: int | None, tiers: list[Store], *, keys: Sequence[str] | None,
+def load(eng: Readers, step: int | None, tiers: list[Store], *, keys: Sequence[str] | None,
          listing: TierListings) -> LoadResult:
     """The newest intact step of ``listing`` (or exactly ``step``) from ``tiers``, this rank's saved tree as plain
     values; see the module docstring. ``listing``: the tiers' committed steps; a tier that could not be listed was
@@ -100,17 +107,17 @@ def load(mgr: CheckpointManager, step: int | None, tiers: list[Store], *, keys: 
     while it was read; :class:`CorruptCheckpointError` when copies exist but none verifies;
     :class:`StateMismatchError` (a ``KeyError``) for a key of ``keys`` the step does not hold."""
     s, store, (state, metadata) = first_intact(
-        lambda store, s: load_copy(mgr, store, s, keys), tiers, listing.steps, step, what="load",
+        lambda store, s: load_copy(eng, store, s, keys), tiers, listing.steps, step, what="load",
         skip=(CorruptCheckpointError, CheckpointNotFoundError), verb="loads")
     return LoadResult(s, store.tier, state, metadata)
 
 
-def load_copy(mgr: CheckpointManager, store: Store, step: int, keys: Sequence[str] | None) -> tuple[dict, Any]:
+def load_copy(eng: Readers, store: Store, step: int, keys: Sequence[str] | None) -> tuple[dict, Any]:
     """This rank's saved tree of ``step`` in ``store`` (rank 0's where the saving job had fewer ranks, as restore
     does) as plain values, and its metadata. Raises :class:`CorruptCheckpointError` or
     :class:`CheckpointNotFoundError` for this copy, :class:`StateMismatchError` for a key it does not hold."""
     manifest = read_step(store, step)
-    src = mgr.rank if mgr.rank < manifest.world_size else 0
+    src = eng.rank if eng.rank < manifest.world_size else 0
     rms = read_ranks(store, manifest, [src])
     if not rms:
         raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier,
@@ -123,7 +130,7 @@ def load_copy(mgr: CheckpointManager, store: Store, step: int, keys: Sequence[st
     else:
         wanted, paths = referenced(root, len(rm.tensors))
         wanted.update(shards[p] for p in paths if p in shards)
-    values = read_records(mgr, store, rm, wanted)
+    values = read_records(eng, store, rm, wanted)
     unsaved: list[str] = []
 
     def local_shard(path: str) -> Any:
@@ -181,7 +188,7 @@ def referenced(node: Any, n_records: int) -> tuple[set[int], set[str]]:
     return idx, paths
 
 
-def read_records(mgr: CheckpointManager, store: Store, rm: RankManifest, wanted: set[int]) -> dict[int, Value]:
+def read_records(eng: Readers, store: Store, rm: RankManifest, wanted: set[int]) -> dict[int, Value]:
     """Records ``wanted`` of ``rm`` read from ``store`` into fresh tensors and arrays (the caller's to keep), every
     byte verified (see the module docstring); the files are read on the manager's io threads."""
     recs = rm.tensors
@@ -200,10 +207,10 @@ def read_records(mgr: CheckpointManager, store: Store, rm: RankManifest, wanted:
     for index, file_recs in by_file.items():
         f = rm.files[index]
         if f.compression or (store.local_path is not None and len(file_recs) == in_file[index]):
-            jobs.append(partial(_read_whole, mgr, store, rm, index, dests))
+            jobs.append(partial(_read_whole, eng, store, rm, index, dests))
         else:
             jobs += [partial(_read_run, store, rm, index, run, dests) for run in _runs(file_recs)]
-    run_all(mgr._io, lambda job: job(), jobs)
+    run_all(eng.io, lambda job: job(), jobs)
     return values
 
 
@@ -220,11 +227,11 @@ def _bytes_of(value: Value) -> memoryview:
     return byte_view(value)
 
 
-def _read_whole(mgr: CheckpointManager, store: Store, rm: RankManifest, index: int,
+def _read_whole(eng: Readers, store: Store, rm: RankManifest, index: int,
                 dests: dict[int, memoryview]) -> None:
     """File ``index`` through the restore's reader: its checksum verified, its tensors' bytes in ``dests``."""
     scratch = aligned_empty(rm.files[index].size, pin=False)  # a header only, unless the file is not scattered
-    read_file_into(store, rm, index, memoryview(scratch.numpy()), dests, hash_executor=mgr._hash)
+    read_file_into(store, rm, index, memoryview(scratch.numpy()), dests, hash_executor=eng.hash)
 
 
 def _runs(recs: list[TensorRecord]) -> Iterator[list[TensorRecord]]:
@@ -274,7 +281,7 @@ def _read_run(store: Store, rm: RankManifest, index: int, run: list[TensorRecord
                                          tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
 
 
-def load_rank_entries(mgr: CheckpointManager, store: Store, manifest: StepManifest, rank: int, key: str,
+def load_rank_entries(eng: Readers, store: Store, manifest: StepManifest, rank: int, key: str,
                       names: Collection[str] | None = None) -> dict[str, Any]:
     """Entries ``names`` (all with None) of the top-level mapping ``key`` of rank ``rank``'s saved tree, from the
     copy of step ``manifest.step`` in ``store``, as plain values: only those entries' records are read, every byte
@@ -305,11 +312,11 @@ def load_rank_entries(mgr: CheckpointManager, store: Store, manifest: StepManife
                                          f"e.g. {sorted(missing)[0]!r}", step=step, tier=store.tier, path=where)
     sub = {"$dict": entries}
     wanted, _ = referenced(sub, len(rm.tensors))
-    values = read_records(mgr, store, rm, wanted)
+    values = read_records(eng, store, rm, wanted)
     return decode_tree(sub, rm.tensors, values.__getitem__, step=step)
 
 
-def load_rank_keys(mgr: CheckpointManager, store: Store, manifest: StepManifest, rank: int,
+def load_rank_keys(eng: Readers, store: Store, manifest: StepManifest, rank: int,
                    keys: Sequence[str]) -> dict[str, Any]:
     """Top-level ``keys`` of rank ``rank``'s saved tree in the copy of step ``manifest.step`` in ``store``, as plain
     values (every byte verified; no DTensor assembly: a ``$dtensor`` entry decodes as None). Raises as
@@ -322,5 +329,5 @@ def load_rank_keys(mgr: CheckpointManager, store: Store, manifest: StepManifest,
     rm = rms[0]
     root = select(rm.tree, keys, step=step, tier=store.tier, where=where)
     wanted, _ = referenced(root, len(rm.tensors))
-    values = read_records(mgr, store, rm, wanted)
+    values = read_records(eng, store, rm, wanted)
     return decode_tree(root, rm.tensors, values.__getitem__, step=step, dtensor=lambda path: None)

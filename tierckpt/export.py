@@ -212,7 +212,7 @@ def _load_copy(reader: Reader, store: Store, step: int, key: str) -> Any:
     their full global tensors."""
     manifest = read_step(store, step)
     if manifest.world_size == 1:
-        state, _ = _load.load_copy(reader, store, step, [key])  # type: ignore[arg-type]
+        state, _ = _load.load_copy(reader, store, step, [key])
         return state[key]
     where = f"{store.url}/{layout.step_dir(step)}"
     if manifest.holds_ranks is not None and len(manifest.holds_ranks) < manifest.world_size:
@@ -228,7 +228,7 @@ def _load_copy(reader: Reader, store: Store, step: int, key: str) -> Any:
     root = _load.select(rms[0].tree, [key], step=step, tier=store.tier, where=where)
     wanted, paths = _load.referenced(root, len(rms[0].tensors))
     plain = {i for i in wanted if rms[0].tensors[i].shard is None}
-    values = _load.read_records(reader, store, rms[0], plain)  # type: ignore[arg-type]
+    values = _load.read_records(reader, store, rms[0], plain)
     full = _assemble(reader, store, rms, paths, step=step, where=where)
     state = decode_tree(root, rms[0].tensors, values.__getitem__, step=step, dtensor=full.__getitem__)
     return state[key]
@@ -267,7 +267,7 @@ def _assemble(reader: Reader, store: Store, rms: list[Any], paths: set[str], *, 
         mine = {rec.index for rec in rm.tensors if rec.shard is not None and rec.path in out}
         if not mine:
             continue
-        shards = _load.read_records(reader, store, rm, mine)  # type: ignore[arg-type]
+        shards = _load.read_records(reader, store, rm, mine)
         for i in sorted(mine):
             rec = rm.tensors[i]
             box = tuple(slice(o, o + n) for o, n in zip(rec.shard["offset"], rec.shape))

@@ -650,7 +650,7 @@ class CheckpointManager:
         listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)  # each rank on its own
         listing.require(step, ", ".join(t.url for t in tiers))
         with _gc.paused():
-            return _load.load(self, step, tiers, keys=None if keys is None else list(keys), listing=listing)
+            return _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
 
     def wait_persisted(self) -> None:
         """Block until every save made so far is committed on the local tier (uploads go on in the background):

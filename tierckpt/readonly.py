@@ -35,12 +35,12 @@ class Reader:
         if type(threads) is not int or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.rank = rank
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read-io")
-        self._hash = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read-hash")
+        self.io = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read-io")
+        self.hash = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read-hash")
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
-        self._hash.shutdown(wait=True)
+        self.io.shutdown(wait=True)
+        self.hash.shutdown(wait=True)
 
     def __enter__(self) -> Reader:
         return self
@@ -95,7 +95,7 @@ def load(local_dir: str | os.PathLike[str] | None, *, remote: str | os.PathLike[
         listing = list_tiers(stores, deadline_s=timeout_s)
         listing.require(step, ", ".join(s.url for s in stores))
         with Reader(rank=rank, threads=threads) as reader:
-            return _load.load(reader, step, stores, keys=None if keys is None else list(keys),  # type: ignore[arg-type]
+            return _load.load(reader, step, stores, keys=None if keys is None else list(keys),
                               listing=listing)
     finally:
         for s in stores:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from .. import _load
+from .. import _load, readonly
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..tiers.listing import list_tiers
 from ..tiers.reader import read_step
@@ -120,6 +120,10 @@ class StorageReader(_storage.StorageReader):
         return plans
 
     # -------------------------------------------------------------------------------- choosing the step
+    def _readers(self) -> readonly.Reader:
+        """Thread pools for one read (any rank's records; the rank given per call), closed when it ends."""
+        return readonly.Reader(threads=max(1, self.mgr.options.writer_threads))
+
     def _tiers(self) -> list[Store]:
         return [s for s in (self.mgr.local, self.mgr.remote) if s is not None and self.source in ("auto", s.tier)]
 
@@ -247,7 +251,8 @@ class StorageReader(_storage.StorageReader):
             if m is None or (m.holds_ranks is not None and 0 not in m.holds_ranks):
                 continue
             try:
-                text = _load.load_rank_keys(self.mgr, store, m, 0, [META_KEY])[META_KEY]
+                with self._readers() as readers:
+                    text = _load.load_rank_keys(readers, store, m, 0, [META_KEY])[META_KEY]
                 break
             except StateMismatchError:
                 raise CheckpointError(f"step {step} was not saved through tierckpt.dcp (rank 0's state has no "
@@ -313,7 +318,8 @@ class StorageReader(_storage.StorageReader):
             if m.holds_ranks is not None and rank not in m.holds_ranks:
                 continue
             try:
-                return _load.load_rank_entries(self.mgr, store, m, rank, DATA_KEY, names)
+                with self._readers() as readers:
+                    return _load.load_rank_entries(readers, store, m, rank, DATA_KEY, names)
             except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
                 log.warning("tierckpt.dcp: step %d, rank %d's records in tier %s: %s; trying the next copy",
                             choice.step, rank, store.tier, exc)
