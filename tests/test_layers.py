@@ -283,6 +283,29 @@ def test_torch_free_layers_never_reach_torch() -> None:
     _fail(f"torch imported by {', '.join(TORCH_FREE)} or what they import", offenders)
 
 
+def _private_reaches(tree: ast.AST) -> list[tuple[int, str]]:
+    """``mgr._x`` / ``self.mgr._x`` / ``manager._x`` attribute uses (line, text) in a module's syntax tree."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("mgr", "manager"):
+                out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_only_the_manager_touches_its_private_state() -> None:
+    """Components get what they need from the manager through interfaces it builds (the engine, hooks, public
+    methods), never by reaching into ``mgr._anything``."""
+    assert _private_reaches(ast.parse("x = mgr._pool\ny = self.mgr._io\nz = mgr.local")) == [
+        (1, "mgr._pool"), (2, "self.mgr._io")]
+    offenders = [f"{module} ({MODULES[module].relative_to(REPO_ROOT)}:{line}): {text}"
+                 for module in sorted(MODULES) if module != "tierckpt.manager"
+                 for line, text in _private_reaches(ast.parse(MODULES[module].read_text()))]
+    assert not offenders, "private state of the manager used outside manager.py:\n" + "\n".join(offenders)
+
+
 # ------------------------------------------------------------------------------------------------- the CLI, for real
 _NO_TORCH = """
 import sys
