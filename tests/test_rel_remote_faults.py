@@ -139,3 +139,33 @@ def test_bandwidth_cap_applies_to_small_steps(tmp_path: Path) -> None:
         h = mgr.save(1, _state(1, n=200_000))
         up = h.uploaded.result(timeout=60) - h.persisted.result(timeout=60)
         assert up >= 0.6, up  # not one burst: the cap holds from the first byte
+
+
+def test_a_failed_upload_leaves_the_local_tier_within_its_bound(tmp_path: Path) -> None:
+    """A step committed while an older step's upload runs is kept as 'being uploaded'; when that upload then fails,
+    retention runs again, so wait() returns with the local tier within keep_local + max_upload_backlog."""
+    gate = threading.Event()
+    mgr = CheckpointManager(tmp_path / "local", remote=str(tmp_path / "remote"), keep_local=1, max_upload_backlog=0,
+                            pin_memory=False, log_records=False)
+    faulty = FaultyStore(mgr.remote, fail={"makedirs": "all", "open_write": "all", "write_bytes": "all"},
+                         error_factory=_denied, stall={"makedirs": (1.0, [1])}, sleep=lambda _s: gate.wait(30))
+    mgr.remote = faulty
+    try:
+        mgr.save(1, _state(1, 100)).persisted.result(timeout=30)
+        deadline = time.monotonic() + 30
+        while faulty.plan.calls["makedirs"] < 1 and time.monotonic() < deadline:  # step 1's upload is in flight
+            time.sleep(0.01)
+        mgr.save(2, _state(2, 100)).persisted.result(timeout=30)
+        while 2 not in mgr.health().waiting and time.monotonic() < deadline:  # committed; retention ran
+            time.sleep(0.01)
+        gate.set()  # step 1's upload now fails
+        with pytest.raises(UploadError):
+            mgr.wait(timeout=60)
+        mgr.wait(timeout=60)
+        assert sorted(list_root(mgr.local).steps) == [2], "the local tier is over keep_local + max_upload_backlog"
+    finally:
+        gate.set()
+        try:
+            mgr.close()
+        except UploadError:
+            pass

@@ -535,6 +535,9 @@ class Replicator:
             else:
                 log.error("step %d, tier remote: upload to %s failed (the local copy is kept): %s", step,
                           self.remote.url, exc)
+        # a step committed while this upload ran was kept as the one being uploaded: trim to the bound now, so
+        # that wait() returns with the local tier within keep_local + max_upload_backlog
+        self.apply_local_retention()
         self._fail_waiters(waiters, exc)
 
     def _fail_waiters(self, waiters: list[_Waiter], exc: BaseException) -> None:
