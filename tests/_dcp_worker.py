@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,26 +21,7 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
-
-class Recorder:
-    """Each phase's outcome (or its error and traceback) in a JSON file, rewritten after every phase."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {}
-
-    def put(self, key: str, value: Any) -> None:
-        self.data[key] = value
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data))
-        os.replace(tmp, self.path)
-
-    def phase(self, name: str, fn) -> None:
-        try:
-            self.put(name, fn())
-        except Exception as exc:
-            self.put(name, {"phase_error": {"type": type(exc).__name__, "msg": str(exc)},
-                            "traceback": traceback.format_exc()})
+from _dist_worker import Recorder  # noqa: E402 - the house recorder of rank results
 
 
 def build(world: int, seed: int):

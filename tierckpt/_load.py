@@ -291,11 +291,7 @@ def load_rank_entries(eng: Readers, store: Store, manifest: StepManifest, rank: 
     :class:`CorruptCheckpointError` for a damaged copy or a name the mapping does not hold (a reader asks only for
     names its step's metadata says were written), :class:`StateMismatchError` when the tree has no key ``key``."""
     step = manifest.step
-    where = f"{store.url}/{layout.step_dir(step)}"
-    rms = read_ranks(store, manifest, [rank])
-    if not rms:
-        raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=step, tier=store.tier, path=where)
-    rm = rms[0]
+    rm, where = _rank_manifest(store, manifest, rank)
     root = select(rm.tree, [key], step=step, tier=store.tier, where=where)
     pairs = root[next(iter(root))]
     node = pairs[0][1] if pairs else None
@@ -322,12 +318,18 @@ def load_rank_keys(eng: Readers, store: Store, manifest: StepManifest, rank: int
     values (every byte verified; no DTensor assembly: a ``$dtensor`` entry decodes as None). Raises as
     :func:`load_rank_entries` does, and :class:`StateMismatchError` for a key the tree does not hold."""
     step = manifest.step
-    where = f"{store.url}/{layout.step_dir(step)}"
-    rms = read_ranks(store, manifest, [rank])
-    if not rms:
-        raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=step, tier=store.tier, path=where)
-    rm = rms[0]
+    rm, where = _rank_manifest(store, manifest, rank)
     root = select(rm.tree, keys, step=step, tier=store.tier, where=where)
     wanted, _ = referenced(root, len(rm.tensors))
     values = read_records(eng, store, rm, wanted)
     return decode_tree(root, rm.tensors, values.__getitem__, step=step, dtensor=lambda path: None)
+
+
+def _rank_manifest(store: Store, manifest: StepManifest, rank: int) -> tuple[RankManifest, str]:
+    """Rank ``rank``'s verified manifest in this copy of the step, and the copy's folder URL (for messages)."""
+    where = f"{store.url}/{layout.step_dir(manifest.step)}"
+    rms = read_ranks(store, manifest, [rank])
+    if not rms:
+        raise CheckpointNotFoundError(f"rank {rank} is not in the checkpoint", step=manifest.step, tier=store.tier,
+                                      path=where)
+    return rms[0], where
