@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import re
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ import torch
 from . import _load
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .format import layout
+from .format.safetensors import build_header
 from .readonly import Reader
 from .snapshot.dtypes import CODE_TO_TORCH, TORCH_TO_CODE
 from .snapshot.load import decode_tree
@@ -402,22 +402,17 @@ def _write(out: str, weights: dict[str, torch.Tensor], *, step: int, source: str
 
 def _write_file(path: str, tensors: list[tuple[str, torch.Tensor]], meta: dict[str, str],
                 cast: torch.dtype | None) -> None:
-    """One safetensors file: header (8-byte little-endian length, JSON padded with spaces to 8 bytes), then each
+    """One safetensors file: the format's header (:func:`tierckpt.format.safetensors.build_header`), then each
     tensor's bytes in order, written straight from its memory (cast one tensor at a time)."""
-    header: dict[str, Any] = {"__metadata__": meta}
-    pos = 0
+    entries = []
     for name, t in tensors:
         dt = cast if cast is not None and t.is_floating_point() else t.dtype
-        n = t.numel() * dt.itemsize
-        header[name] = {"dtype": TORCH_TO_CODE[dt], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+        entries.append((name, TORCH_TO_CODE[dt], tuple(t.shape), t.numel() * dt.itemsize))
+    header = build_header(entries, meta)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+            f.write(header)
             for _, t in tensors:
                 c = _cast(t, cast)
                 if c.numel():
