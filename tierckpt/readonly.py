@@ -11,8 +11,9 @@ or not listed; a step deleted by the owner's retention while it is read is skipp
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +21,7 @@ from . import _load
 from .errors import CheckpointNotFoundError
 from .storage.base import Store
 from .storage.open import is_url, open_store
-from .tiers.listing import list_tiers
+from .tiers.listing import TierListings, list_tiers
 
 __all__ = ["Reader", "committed_steps", "load", "open_tier"]
 
@@ -80,6 +81,32 @@ def load(local_dir: str | os.PathLike[str] | None, *, remote: str | os.PathLike[
     if keys is not None and (not isinstance(keys, (list, tuple)) or not keys
                              or not all(isinstance(k, str) for k in keys)):
         raise ValueError(f"keys must be None or a non-empty list or tuple of str, got {keys!r}")
+    with _listed(local_dir, remote, source=source, storage_options=storage_options, timeout_s=timeout_s) as (
+            stores, listing):
+        if not stores:
+            raise ValueError("nothing to read: give local_dir and/or remote (as source allows)")
+        listing.require(step, ", ".join(s.url for s in stores))
+        with Reader(rank=rank, threads=threads) as reader:
+            return _load.load(reader, step, stores, keys=None if keys is None else list(keys), listing=listing)
+
+
+def committed_steps(local_dir: str | os.PathLike[str] | None, *, remote: str | os.PathLike[str] | None = None,
+                    storage_options: dict[str, Any] | None = None, timeout_s: float | None = 30.0) -> list[int]:
+    """The steps committed in any of the given tiers, newest first (read-only; a missing ``local_dir`` is skipped
+    when ``remote`` is given). Raises :class:`StorageError` when a tier could not be listed and no other holds a
+    step, :class:`CheckpointNotFoundError` for a missing ``local_dir`` with no ``remote``."""
+    with _listed(local_dir, remote, source="auto", storage_options=storage_options, timeout_s=timeout_s) as (
+            stores, listing):
+        listing.require(None, ", ".join(s.url for s in stores))
+        return sorted(listing.known(), reverse=True)
+
+
+@contextlib.contextmanager
+def _listed(local_dir: str | os.PathLike[str] | None, remote: str | os.PathLike[str] | None, *, source: str,
+            storage_options: dict[str, Any] | None,
+            timeout_s: float | None) -> Iterator[tuple[list[Store], TierListings]]:
+    """The tiers ``source`` allows, opened read-only (a missing ``local_dir`` is skipped when ``remote`` may be
+    read instead), and their listing within ``timeout_s``; the stores are closed on exit."""
     stores: list[Store] = []
     try:
         if local_dir is not None and source in ("auto", "local"):
@@ -90,36 +117,7 @@ def load(local_dir: str | os.PathLike[str] | None, *, remote: str | os.PathLike[
                     raise
         if remote is not None and source in ("auto", "remote"):
             stores.append(open_tier(remote, tier="remote", storage_options=storage_options))
-        if not stores:
-            raise ValueError("nothing to read: give local_dir and/or remote (as source allows)")
-        listing = list_tiers(stores, deadline_s=timeout_s)
-        listing.require(step, ", ".join(s.url for s in stores))
-        with Reader(rank=rank, threads=threads) as reader:
-            return _load.load(reader, step, stores, keys=None if keys is None else list(keys),
-                              listing=listing)
-    finally:
-        for s in stores:
-            s.close()
-
-
-def committed_steps(local_dir: str | os.PathLike[str] | None, *, remote: str | os.PathLike[str] | None = None,
-                    storage_options: dict[str, Any] | None = None, timeout_s: float | None = 30.0) -> list[int]:
-    """The steps committed in any of the given tiers, newest first (read-only; a missing ``local_dir`` is skipped
-    when ``remote`` is given). Raises :class:`StorageError` when a tier could not be listed and no other holds a
-    step, :class:`CheckpointNotFoundError` for a missing ``local_dir`` with no ``remote``."""
-    stores: list[Store] = []
-    try:
-        if local_dir is not None:
-            try:
-                stores.append(open_tier(local_dir, tier="local"))
-            except CheckpointNotFoundError:
-                if remote is None:
-                    raise
-        if remote is not None:
-            stores.append(open_tier(remote, tier="remote", storage_options=storage_options))
-        listing = list_tiers(stores, deadline_s=timeout_s)
-        listing.require(None, ", ".join(s.url for s in stores))
-        return sorted(listing.known(), reverse=True)
+        yield stores, list_tiers(stores, deadline_s=timeout_s)
     finally:
         for s in stores:
             s.close()
