@@ -163,7 +163,7 @@ def save_steps(mgr, rank: int, steps: list[int]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ scenarios
 def scenario_posix2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
     """World 2, each rank its own node; shared POSIX remote. Round trip, node replacement, failed save, different
-    local progress, one folder shared by both ranks, gloo groups released by close()."""
+    local progress, one folder shared by both ranks, no process group and no store key left by the manager."""
     from tierckpt import CheckpointManager
 
     root = Path(cfg["root"])
@@ -280,11 +280,19 @@ def scenario_posix2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
     def groups():
         from torch.distributed import distributed_c10d as c10d
 
+        store = c10d._get_default_store()
+        dist.barrier()
+        keys_before = store.num_keys()
         before = len(c10d._world.pg_map)
-        mgr = CheckpointManager(root / f"g{rank}", collective_timeout_s=T)
+        mgr = CheckpointManager(root / f"g{rank}", remote=root / "gremote", collective_timeout_s=T)
         during = len(c10d._world.pg_map)
+        saved = save_steps(mgr, rank, [1, 2])
         mgr.close()
-        return {"before": before, "during": during, "after": len(c10d._world.pg_map)}
+        with CheckpointManager(root / f"g{rank}", remote=root / "gremote", collective_timeout_s=T) as mgr:
+            restored = restore_into_empty(mgr, rank)
+        dist.barrier()
+        return {"before": before, "during": during, "after": len(c10d._world.pg_map), "saved": saved,
+                "restored": restored, "keys_before": keys_before, "keys_after": store.num_keys()}
 
     for name, fn in [("roundtrip", roundtrip), ("replace", replace), ("failed_save", failed_save),
                      ("disk_full", disk_full), ("progress", progress), ("shared", shared), ("groups", groups)]:

@@ -3,9 +3,9 @@
 Two levels, both in this process, no torch.distributed:
 
 - the storage protocol of :mod:`tierckpt.tiers.sharded`, called directly on a LocalStore with world-size-2 steps
-  built by hand (discard_shard, commit_step and its cleanup, commit_remote's deadline, wait_remote_commit, holds_rank);
+  built by hand (discard_shard, commit_step and its cleanup, holds_rank);
 - the manager's multi-rank paths (:mod:`tierckpt._sharded`) as rank 0 of a world of 2, with rank 1 scripted: a fake
-  coordinator answers each collective with what rank 1 would have sent, or raises as gloo does when a peer died.
+  coordinator hands rank 0's answer functions what rank 1 would have sent, or fails as when rank 1 never arrives.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tierckpt import (
     UploadError,
     _sharded,
 )
-from tierckpt.distributed import Topology
+from tierckpt.distributed import AgreementError, Coordinator, Lane, Topology
 from tierckpt.format import hashing, layout
 from tierckpt.format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
 from tierckpt.format.safetensors import build_header
@@ -196,79 +196,41 @@ def test_holds_rank_lets_the_loader_report_a_corrupt_manifest(node: LocalStore) 
 
 
 # ------------------------------------------------------------------------------------------------ remote commit
-def test_commit_remote_deadline_names_the_missing_ranks(remote: LocalStore) -> None:
-    s0, s1 = build_shard(5, 0, SID), build_shard(5, 1, SID)
-    place(remote, 5, s0)  # rank 1 never uploads
-    with pytest.raises(UploadError, match=r"ranks \[1\] did not upload") as ei:
-        sharded.commit_remote(remote, step_manifest(5, SID, [s0, s1], (0,)), deadline_s=0.2)
-    assert ei.value.step == 5
-    assert 5 not in list_root(remote).steps
-
-
-def test_commit_remote_ignores_a_rank_manifest_of_another_save(remote: LocalStore) -> None:
-    s0, s1 = build_shard(5, 0, SID), build_shard(5, 1, SID)
-    place(remote, 5, s0)
-    stale = build_shard(5, 1, OLD)
-    place(remote, 5, stale)
-    # the stale manifest under the name the step manifest expects: same rank, another save
-    remote.write_bytes(join(layout.step_dir(5), s1.ref.name), stale.raw)
-    with pytest.raises(UploadError, match=r"\[1\]"):
-        sharded.commit_remote(remote, step_manifest(5, SID, [s0, s1], (0,)), deadline_s=0.2)
-
-
-def test_commit_remote_commits_once_every_rank_is_there(remote: LocalStore) -> None:
+def test_a_remote_step_committed_with_every_rank_holds_and_verifies_each(remote: LocalStore) -> None:
     s0, s1 = build_shard(5, 0, SID), build_shard(5, 1, SID)
     place(remote, 5, s0)
     place(remote, 5, s1)
-    final = sharded.commit_remote(remote, step_manifest(5, SID, [s0, s1], (0,)), deadline_s=5)
-    assert final.holds_ranks is None and [r.rank for r in final.ranks] == [0, 1]
+    sharded.commit_step(remote, step_manifest(5, SID, [s0, s1], None))
     assert sharded.holds_rank(remote, 5, 0) and sharded.holds_rank(remote, 5, 1)
     report = verify_step(remote, 5)
     assert report.ok and report.ranks == [0, 1]
-    sharded.wait_remote_commit(remote, 5, SID, deadline_s=0.5)  # returns at once
-
-
-def test_wait_remote_commit_times_out_naming_the_step(remote: LocalStore) -> None:
-    with pytest.raises(UploadError, match="rank 0 did not commit") as ei:
-        sharded.wait_remote_commit(remote, 5, SID, deadline_s=0.2)
-    assert ei.value.step == 5
-    s0, s1 = build_shard(5, 0, OLD), build_shard(5, 1, OLD)
-    for s in (s0, s1):
-        place(remote, 5, s)
-    sharded.commit_step(remote, step_manifest(5, OLD, [s0, s1], None))  # another save of step 5 is committed
-    with pytest.raises(UploadError):
-        sharded.wait_remote_commit(remote, 5, SID, deadline_s=0.2)
 
 
 # --------------------------------------------------------------------------------------------- manager, rank 1 scripted
-class FakeCoordinator:
-    """Rank 0 of a world of 2; ``peer(group, obj)`` returns rank 1's object for each collective, or raises."""
+class FakeCoordinator(Coordinator):
+    """Rank 0 of a world of 2; ``peer(lane, obj)`` returns what rank 1 hands in to each agreement, or raises as if
+    rank 1 never arrived (it died or hung). Rank 0's real answer functions run on both inputs."""
 
-    def __init__(self, peer: Callable[[str, str, Any], Any]) -> None:
+    def __init__(self, peer: Callable[[str, Any], Any]) -> None:  # no store: nothing to connect to
         self.topology = Topology(rank=0, world_size=WORLD, node_ranks=(0,), run_id="single-process-twin")
-        self.persist_group, self.main_group = "persist", "main"
+        self._rank, self._world = 0, WORLD
+        self.persist_lane, self.main_lane = Lane("persist", None), Lane("main", None)
         self.peer = peer
         self.calls: list[tuple[str, Any]] = []
 
-    def gather(self, obj: Any, group: Any) -> list[Any]:
-        self.calls.append((group, obj))
-        return [obj, self.peer(group, obj)]
-
-    def scatter(self, objs: list[Any] | None, group: Any, *, src: int = 0) -> Any:
-        self.calls.append((group, ("scatter", objs)))
-        return objs[0] if objs else None
-
-    def announce(self, sid: str, what: str) -> None:
-        self.calls.append(("announce", (sid, what)))
-
-    def silent_ranks(self, sid: str) -> list[int]:
-        return [1]  # rank 1 is the one a twin makes fail or die
+    def exchange(self, obj: Any, lane: Lane, answer: Callable[[list[Any]], list[Any]], *, what: str,
+                 step: int | None = None) -> Any:
+        lane.next()
+        self.calls.append((lane.name, obj))
+        try:
+            theirs = self.peer(lane.name, obj)
+        except Exception:
+            raise AgreementError(f"ranks could not agree ({what}); rank 1 never reached it (died or hung)",
+                                 ranks=[1], step=step) from None
+        return answer([obj, theirs])[0]
 
     def upload_channel(self) -> Any:
         return _LeaderChannel(self)
-
-    def destroy(self) -> None:
-        pass
 
 
 class _LeaderChannel:
@@ -293,21 +255,24 @@ class _LeaderChannel:
         return {}
 
 
-def ok_peer(step_sid: Callable[[int], str] | None = None) -> Callable[[str, Any], Any]:
+def ok_peer() -> Callable[[str, Any], Any]:
     """Rank 1 that succeeds at everything, its shard on another node, and holds every step rank 0 holds."""
 
-    def peer(group: str, obj: Any) -> Any:
-        if group == "persist":
-            if isinstance(obj, tuple) and len(obj) == 5:  # "shards written": (ok, ref, bytes, created, metadata)
-                ok, ref, nbytes, created, metadata = obj
-                if not ok:  # rank 0 failed; rank 1 itself succeeded (its shard name does not matter here)
-                    return (True, (1, layout.rank_manifest_name(1, "0" * 16), 123, "0" * 32), 0, 0.0, None)
-                sid = ref[1].split("-", 1)[1].split(".", 1)[0]
-                return (True, (1, layout.rank_manifest_name(1, sid), 123, "0" * 32), nbytes, created, metadata)
-            return (True, "")  # "committed on every node"
+    def peer(lane: str, obj: Any) -> Any:
+        if lane == "persist":
+            if isinstance(obj, dict) and ("ref" in obj or "error" in obj):  # "shards written"
+                if "error" in obj:  # rank 0 failed; rank 1 itself succeeded (its shard name does not matter here)
+                    return {"ref": (1, layout.rank_manifest_name(1, "0" * 16), 123, "0" * 32), "bytes": 0,
+                            "node": (1,)}
+                sid = obj["ref"][1].split("-", 1)[1].split(".", 1)[0]
+                return {"ref": (1, layout.rank_manifest_name(1, sid), 123, "0" * 32), "bytes": obj["bytes"],
+                        "node": (1,)}
+            return {}  # "committed on every node"
         if isinstance(obj, dict):  # restore candidates: the same as rank 0's
             return dict(obj)
-        return obj if obj is None else ("ok", "")
+        if isinstance(obj, tuple) and len(obj) == 2 and not isinstance(obj[0], str):  # start-up: (host, folder)
+            return ("other-host", obj[1])
+        return obj if obj is None or isinstance(obj, list) else ("ok", "")
 
     return peer
 
@@ -333,13 +298,13 @@ def empty() -> dict[str, Any]:
 def test_twin_rank1_save_fails_step_uncommitted_error_names_rank1(tmp_path: Path) -> None:
     fail_step = {2}
 
-    def peer(group: str, obj: Any) -> Any:
-        if group == "persist" and isinstance(obj, tuple) and len(obj) == 5 and obj[0]:
+    def peer(lane: str, obj: Any) -> Any:
+        if lane == "persist" and isinstance(obj, dict) and "ref" in obj:
             step = next(iter(fail_step)) if fail_step else None
             if (step is not None
-                    and obj[1][1].split("-", 1)[1].split(".")[0] == _sharded.save_id("single-process-twin", step)):
-                return (False, "OSError: [Errno 28] No space left on device", 0, 0.0, None)
-        return ok_peer()(group, obj)
+                    and obj["ref"][1].split("-", 1)[1].split(".")[0] == _sharded.save_id("single-process-twin", step)):
+                return {"error": "OSError: [Errno 28] No space left on device"}
+        return ok_peer()(lane, obj)
 
     mgr, _ = twin_manager(tmp_path / "n0", peer)
     mgr.save(1, state_at(1))
@@ -357,17 +322,18 @@ def test_twin_rank1_save_fails_step_uncommitted_error_names_rank1(tmp_path: Path
     mgr.wait()
     assert sorted(list_root(mgr.local).steps) == [1, 3]
     m = read_manifests(mgr.local, 3)[0]
-    assert m.holds_ranks == (0,) and [r.rank for r in m.ranks] == [0, 1]
+    assert m.holds_ranks == (0,) and [r.rank for r in m.ranks] == [0]  # a node's copy lists its own ranks only
+    assert m.world_size == WORLD
     mgr.close()
 
 
 def test_twin_rank1_dies_during_the_agreement(tmp_path: Path) -> None:
     dead = {"now": False}
 
-    def peer(group: str, obj: Any) -> Any:
-        if dead["now"] and group == "persist":
-            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
-        return ok_peer()(group, obj)
+    def peer(lane: str, obj: Any) -> Any:
+        if dead["now"] and lane == "persist":
+            raise TimeoutError("rank 1 never set its key")
+        return ok_peer()(lane, obj)
 
     mgr, coord = twin_manager(tmp_path / "n0", peer)
     mgr.save(1, state_at(1))
@@ -407,10 +373,10 @@ def test_twin_rank0s_own_save_fails_error_names_rank0(tmp_path: Path) -> None:
 
 
 def test_twin_commit_fails_on_rank1s_node(tmp_path: Path) -> None:
-    def peer(group: str, obj: Any) -> Any:
-        if group == "persist" and obj == (True, ""):
-            return (False, "OSError: [Errno 5] Input/output error")
-        return ok_peer()(group, obj)
+    def peer(lane: str, obj: Any) -> Any:
+        if lane == "persist" and obj == {}:
+            return {"error": "OSError: [Errno 5] Input/output error"}
+        return ok_peer()(lane, obj)
 
     mgr, _ = twin_manager(tmp_path / "n0", peer)
     mgr.save(1, state_at(1))
@@ -440,8 +406,8 @@ def saved_twin(tmp_path: Path, steps: list[int], peer: Callable[[str, Any], Any]
 
 
 def restore_peer(candidates: list[int], outcome: Callable[[], tuple[str, str]] = lambda: ("ok", "")):
-    def peer(group: str, obj: Any) -> Any:
-        assert group == "main"
+    def peer(lane: str, obj: Any) -> Any:
+        assert lane == "main"
         return {"steps": list(candidates), "shared_first": []} if isinstance(obj, dict) else outcome()
 
     return peer

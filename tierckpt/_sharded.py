@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, MutableMapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -42,51 +43,73 @@ def save_id(run_id: str, step: int) -> str:
     return xxhash.xxh3_64_hexdigest(f"{run_id}:{step}".encode())
 
 
-def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> StepManifest:
-    """Write this rank's shard, agree with every rank, commit on this node. Raises if any rank failed."""
+def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> None:
+    """Write this rank's shard, agree with every rank that all are durable, commit on this node (its leader
+    writes the step manifest of the node's ranks), agree that every node committed. Raises on every rank if any
+    rank failed, naming it. Two agreements on the persist lane, O(1) requests and bytes per rank."""
     coord = eng.coord
     assert coord is not None
     topo = coord.topology
     step, sid = snap.step, snap.save_id
-    outcome: tuple[Any, ...]
-    written = False
+    outcome: dict[str, Any]
     try:
         rm, ref = sharded.persist_shard(eng.local, snap, eng.io, eng.hash)
-        outcome = (True, (ref.rank, ref.name, ref.size, ref.checksum), rm.total_bytes, time.time(), snap.metadata)
-        written = True
+        outcome = {"ref": (ref.rank, ref.name, ref.size, ref.checksum), "bytes": rm.total_bytes,
+                   "node": topo.node_ranks if topo.is_node_leader else None}
+        if topo.rank == 0:
+            outcome |= {"created": time.time(), "metadata": snap.metadata}
     except Exception as exc:
         log.error("tier local: rank %d could not write its shard of step %d: %s", topo.rank, step, exc)
-        outcome = (False, f"{type(exc).__name__}: {exc}", 0, 0.0, None)
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         release()
-    coord.announce(sid, "written" if written else "failed")
-    everyone = _gather(coord, outcome, step, "shards written", sid)
-    failed = {r: o[1] for r, o in enumerate(everyone) if not o[0]}
-    if failed:
+    verdict = _agree(coord, outcome, _written, step, "shards written")
+    if "failed" in verdict:
         try:
             sharded.discard_shard(eng.local, step, topo.rank, sid)
         except Exception as exc:  # best effort: the error that names the failing rank matters more
             log.warning("tier local: rank %d could not remove its shard of failed step %d: %s", topo.rank, step, exc)
-        raise CheckpointError(f"step not committed: rank(s) {sorted(failed)} failed to save: "
-                              + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())), step=step, tier="local",
-                              path=eng.local.url)
-    manifest = StepManifest(
-        step=step, world_size=topo.world_size, save_id=sid,
-        ranks=tuple(RankRef(*o[1]) for o in everyone), total_bytes=sum(o[2] for o in everyone),
-        metadata=everyone[0][4], created=everyone[0][3], holds_ranks=topo.node_ranks,
-    )
-    ok: tuple[bool, str] = (True, "")
+        raise CheckpointError(f"step not committed: rank(s) {sorted(verdict['failed'])} failed to save: "
+                              + _some(verdict["failed"]), step=step, tier="local", path=eng.local.url)
+    ok: dict[str, Any] = {}
     if topo.is_node_leader:
+        manifest = StepManifest(
+            step=step, world_size=topo.world_size, save_id=sid, ranks=tuple(RankRef(*r) for r in verdict["refs"]),
+            total_bytes=verdict["bytes"], metadata=verdict["metadata"], created=verdict["created"],
+            holds_ranks=topo.node_ranks,
+        )
         try:
             commit_local(eng, manifest)
         except Exception as exc:
-            ok = (False, f"{type(exc).__name__}: {exc}")
-    confirmed = _gather(coord, ok, step, "committed on every node", sid)
-    bad = {r: o[1] for r, o in enumerate(confirmed) if not o[0]}
-    if bad:
-        raise CheckpointError(f"step not committed on the node(s) of rank(s) {sorted(bad)}: {bad}", step=step,
-                              tier="local", path=eng.local.url)
-    return manifest
+            ok = {"error": f"{type(exc).__name__}: {exc}"}
+    confirmed = _agree(coord, ok, _committed, step, "committed on every node")
+    if "failed" in confirmed:
+        raise CheckpointError(f"step not committed on the node(s) of rank(s) {sorted(confirmed['failed'])}: "
+                              + _some(confirmed["failed"]), step=step, tier="local", path=eng.local.url)
+
+
+def _written(outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's answers to "shards written": the failures for everyone, or each node leader its node's rank
+    references (with the step's size, creation time and metadata); the other ranks just an ok."""
+    failed = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+    if failed:
+        return [{"failed": failed}] * len(outcomes)
+    total, zero = sum(o["bytes"] for o in outcomes), outcomes[0]
+    return [{} if o["node"] is None else
+            {"refs": [outcomes[n]["ref"] for n in o["node"]], "bytes": total, "created": zero["created"],
+             "metadata": zero["metadata"]} for o in outcomes]
+
+
+def _committed(outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    failed = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+    return [{"failed": failed} if failed else {}] * len(outcomes)
+
+
+def _some(failed: dict[int, str], shown: int = 8) -> str:
+    """``rank r: error`` for the first ``shown`` ranks of ``failed`` (a job-wide failure names thousands)."""
+    items = sorted(failed.items())
+    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+    return "; ".join(f"rank {r}: {e}" for r, e in items[:shown]) + more
 
 
 def commit_local(eng: Engine, manifest: StepManifest) -> None:
@@ -95,51 +118,29 @@ def commit_local(eng: Engine, manifest: StepManifest) -> None:
              manifest.world_size, eng.local.url)
 
 
-def _gather(coord: Any, obj: Any, step: int, what: str, sid: str) -> list[Any]:
+def _agree(coord: Coordinator, obj: Any, answer: Callable[[list[Any]], list[Any]], step: int,
+           what: str) -> dict[str, Any]:
     try:
-        return coord.gather(obj, coord.persist_group)
-    except Exception as exc:  # a rank died or hung: gloo times out
-        silent = coord.silent_ranks(sid)
-        who = (", ".join(f"rank {r}" for r in silent) + " never reached it (died or hung)") if silent \
-            else "a rank may have died"
-        raise CheckpointError(f"step not committed: ranks could not agree ({what}); {who}: {exc}", step=step) from exc
+        out: dict[str, Any] = coord.exchange(obj, coord.persist_lane, answer, what=what, step=step)
+        return out
+    except CheckpointError as exc:  # a rank died or hung, or rank 0 never answered
+        raise CheckpointError(f"step not committed: {exc.detail}", step=step) from exc
 
 
-def upload(eng: Engine, step: int, opts: dict[str, Any], *, channel: Any = None,
-           attempt: str | None = None) -> None:
-    """This rank's shard to the remote; rank 0 commits the step there once every shard is in. With a
-    ``channel`` (the job's c10d store) and the leader's decision as ``attempt``, the ranks coordinate through it
-    (:func:`tiers.sharded.replicate_shards`); without, through the remote storage (the polling protocol)."""
+def upload(eng: Engine, step: int, opts: dict[str, Any], *, channel: Any, attempt: str) -> None:
+    """This rank's shard to the remote; rank 0 commits the step there once every shard is in. The ranks talk
+    through ``channel`` (the job's c10d store), the attempt named by rank 0's decision
+    (:func:`tiers.sharded.replicate_shards`). Raises :class:`UploadError` naming the rank and the remote."""
     assert eng.remote is not None and eng.coord is not None
     rank = eng.coord.topology.rank
     local_manifest = read_step_manifest(eng.local, layout.step_dir(step), step)
     if local_manifest is None:
         raise CheckpointNotFoundError("no committed local copy to upload", step=step, tier="local", path=eng.local.url)
-    if channel is not None and attempt is not None:
-        try:
-            sharded.replicate_shards(eng.local, eng.remote, local_manifest, rank, channel=channel, attempt=attempt,
-                                     **opts)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise UploadError(f"rank {rank}: cannot replicate to {eng.remote.url}: {describe(exc)}", step=step,
-                              tier=eng.remote.tier, path=eng.remote.url, transient=is_transient(exc)) from exc
-        return
     try:
-        remote_manifest = read_step_manifest(eng.remote, layout.step_dir(step), step)
-    except CorruptCheckpointError:
-        remote_manifest = None
-    if remote_manifest is not None and remote_manifest.save_id == local_manifest.save_id:
-        return
-    try:
-        sharded.upload_shard(eng.local, eng.remote, step, rank, **opts)
-        if rank == 0:
-            sharded.commit_remote(eng.remote, local_manifest, deadline_s=opts.get("deadline_s"))
-        else:
-            sharded.wait_remote_commit(eng.remote, step, local_manifest.save_id, deadline_s=opts.get("deadline_s"))
+        sharded.replicate_shards(eng.local, eng.remote, local_manifest, rank, channel=channel, attempt=attempt, **opts)
     except CheckpointError:
         raise
-    except Exception as exc:  # a storage failure outside the per-file retries (creating the folder, polling)
+    except Exception as exc:  # a storage failure outside the per-file retries (creating the folder)
         raise UploadError(f"rank {rank}: cannot replicate to {eng.remote.url}: {describe(exc)}", step=step,
                           tier=eng.remote.tier, path=eng.remote.url, transient=is_transient(exc)) from exc
 
@@ -158,13 +159,13 @@ def candidates(eng: Engine, tiers: list[Store], listing: TierListings) -> dict[i
 
 def list_tiers_shared(eng: Engine, tiers: list[Store], *, deadline_s: float | None) -> TierListings:
     """Each rank lists its node's local tier; rank 0 alone lists the shared tiers (the remote) and hands its
-    listing to every rank in one gather, so a restart lists the remote once, not once per rank."""
+    listing to every rank, so a restart lists the remote once, not once per rank."""
     coord = eng.coord
     assert coord is not None
     mine = list_tiers([t for t in tiers if t.tier == "local"], deadline_s=deadline_s)
     shared = [t for t in tiers if t.tier != "local"]
     ours = list_tiers(shared, deadline_s=deadline_s) if shared and coord.topology.rank == 0 else None
-    theirs = coord.gather(ours, coord.main_group)[0] if shared else None
+    theirs = coord.broadcast(ours, coord.main_lane, what="listing the remote") if shared else None
     if not isinstance(theirs, TierListings):
         return mine
     return TierListings({**mine.steps, **theirs.steps}, {**mine.failed, **theirs.failed})
@@ -185,31 +186,24 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
     # each rank's steps, and those it will read from a shared tier first (its node does not hold its shard)
     offer = None if blocked is not None else {
         "steps": sorted(mine), "shared_first": [s for s, st in mine.items() if st[0].tier != "local"]}
-    reports = coord.gather(offer, coord.main_group)  # None: blocked
-    everyone = [None if r is None else r["steps"] for r in reports]
-    if any(c is None for c in everyone):
+    plan = coord.reduce(offer, coord.main_lane, partial(_plan, step), what="the step to restore", step=step)
+    if "blocked" in plan:
         if blocked is not None:
             raise blocked
-        ranks = [r for r, c in enumerate(everyone) if c is None]
-        raise StorageError(f"rank(s) {ranks} could not list a tier that may hold the checkpoint; not restoring",
-                           step=step, path=", ".join(t.url for t in tiers), transient=True)
-    common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-    if step is not None:
-        if step not in common:
-            missing = [r for r, c in enumerate(everyone) if step not in c]
-            raise CheckpointNotFoundError(f"rank(s) {missing} find no committed copy of this step", step=step,
-                                          path=", ".join(t.url for t in tiers))
-        order = [step]
-    else:
-        if not any(everyone):
-            return None
-        order = sorted(common, reverse=True)
+        raise StorageError(f"rank(s) {plan['blocked']} could not list a tier that may hold the checkpoint; "
+                           "not restoring", step=step, path=", ".join(t.url for t in tiers), transient=True)
+    if "missing" in plan:
+        raise CheckpointNotFoundError(f"rank(s) {plan['missing']} find no committed copy of this step", step=step,
+                                      path=", ".join(t.url for t in tiers))
+    order: list[int] = plan["order"]
+    if step is None and not order and not plan["any"]:
+        return None
     errors: list[str] = []
     own_error: Exception | None = None
     for s in order:
         prepared = None
         outcome: tuple[str, str] = ("ok", "")
-        shared = _share_step_manifest(eng, tiers, s, [r for r, rep in enumerate(reports) if s in rep["shared_first"]])
+        shared = _share_step_manifest(eng, tiers, s, plan["readers"].get(s, []))
         for store in mine.get(s, []):
             try:
                 if shared is not None and store is shared[0]:
@@ -230,36 +224,72 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
                 break
         if prepared is None and outcome[0] == "ok":
             outcome = ("corrupt", "no tier holds an intact copy")
-        results = coord.gather(outcome if prepared is None else ("ok", ""), coord.main_group)
-        failed = [(r, k, m) for r, (k, m) in enumerate(results) if k in ("storage", "error")]
-        if failed:
+        verdict = coord.reduce(outcome if prepared is None else ("ok", ""), coord.main_lane, _loaded,
+                               what=f"loading step {s}", step=s)
+        if verdict["kind"] in ("storage", "error"):
             if prepared is not None:
                 prepared.release()
             if own_error is not None and outcome[0] in ("storage", "error"):
                 raise own_error
-            r, kind, msg = failed[0]
-            cls = StorageError if kind == "storage" else CheckpointError
-            raise cls(f"rank {r} could not load this step ({msg}); no rank restores it", step=s,
-                      path=", ".join(t.url for t in tiers))
-        mismatches = [(r, m) for r, (k, m) in enumerate(results) if k == "mismatch"]
-        if mismatches:
+            cls = StorageError if verdict["kind"] == "storage" else CheckpointError
+            raise cls(f"rank {verdict['rank']} could not load this step ({verdict['message']}); no rank restores it",
+                      step=s, path=", ".join(t.url for t in tiers))
+        if verdict["kind"] == "mismatch":
             if prepared is not None:
                 prepared.release()
-            raise StateMismatchError(f"rank {mismatches[0][0]}: {mismatches[0][1]}", step=s)
-        bad = [(r, m) for r, (k, m) in enumerate(results) if k != "ok"]
-        if not bad:
+            raise StateMismatchError(f"rank {verdict['rank']}: {verdict['message']}", step=s)
+        if verdict["kind"] == "ok":
             assert prepared is not None
             prepared.apply()
             return s
         if prepared is not None:
             prepared.release()
-        errors.append(f"step {s}: " + "; ".join(f"rank {r}: {m}" for r, m in bad))
-        log.warning("restore: step %d is not intact for rank(s) %s; trying an older step", s, [r for r, _ in bad])
+        errors.append(f"step {s}: {verdict['message']}")
+        log.warning("restore: step %d is not intact for rank(s) %s; trying an older step", s, verdict["ranks"])
     if step is None and not order:
         raise CorruptCheckpointError("no step is committed for every rank (ranks hold different steps)",
                                      path=", ".join(t.url for t in tiers))
     raise CorruptCheckpointError("no step is intact for every rank: " + " | ".join(errors),
                                  step=order[0] if order else step, path=", ".join(t.url for t in tiers))
+
+
+def _plan(step: int | None, offers: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Rank 0's plan of a restore from every rank's offer: the ranks that could not list a tier, or those missing
+    the requested ``step``, or the steps every rank holds, newest first, with, per step, the ranks that read it
+    from the shared tier (to which rank 0 hands their entry of its manifest)."""
+    blocked = [r for r, o in enumerate(offers) if o is None]
+    if blocked:
+        return {"blocked": blocked}
+    held = [set(o["steps"]) for o in offers if o is not None]
+    common = set.intersection(*held)
+    if step is not None:
+        missing = [r for r, h in enumerate(held) if step not in h]
+        if missing:
+            return {"missing": missing}
+        order = [step]
+    else:
+        order = sorted(common, reverse=True)
+    readers: dict[int, list[int]] = {s: [] for s in order}
+    for r, o in enumerate(offers):
+        assert o is not None
+        for s in o["shared_first"]:
+            if s in readers:
+                readers[s].append(r)
+    return {"order": order, "readers": readers, "any": any(held)}
+
+
+def _loaded(outcomes: list[tuple[str, str]]) -> dict[str, Any]:
+    """Rank 0's verdict on one step's load from every rank's outcome: a rank that could not read a tier (or
+    failed otherwise) stops everyone; a state mismatch too; a corrupt copy anywhere moves everyone to an older
+    step; else every rank applies it."""
+    for kinds in (("storage", "error"), ("mismatch",)):
+        for r, (kind, msg) in enumerate(outcomes):
+            if kind in kinds:
+                return {"kind": kind, "rank": r, "message": msg}
+    bad = [(r, m) for r, (k, m) in enumerate(outcomes) if k != "ok"]
+    if not bad:
+        return {"kind": "ok"}
+    return {"kind": "corrupt", "ranks": [r for r, _ in bad], "message": _some(dict(bad))}
 
 
 def _share_step_manifest(eng: Engine, tiers: list[Store], step: int,
@@ -289,7 +319,7 @@ def _share_step_manifest(eng: Engine, tiers: list[Store], step: int,
                 ref = refs.get(r if r < full.world_size else 0)
                 if ref is not None:
                     parts[r] = dataclasses.replace(full, ranks=(ref,))
-    mine = coord.scatter(parts, coord.main_group)
+    mine = coord.scatter(parts, coord.main_lane, what=f"the manifest of step {step}")
     return None if mine is None else (remote, mine)
 
 
@@ -320,4 +350,4 @@ def recover_local(store: Store, coord: Coordinator | None) -> None:
                 log.info("tier local: removed incomplete multi-rank step folder %s", name)
             else:
                 sharded.commit_step_cleanup(store, m)
-    coord.gather(None, coord.main_group)
+    coord.barrier(coord.main_lane, what="start-up clean-up")

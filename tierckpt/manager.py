@@ -209,8 +209,8 @@ class CheckpointManager:
             # refuses a step (a rollback must be explicit)
             local_steps = sorted(list_root(self.local).steps)
             if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what all still have
-                everyone = self._coord.gather(local_steps, self._coord.main_group)
-                local_steps = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
+                local_steps = self._coord.reduce(local_steps, self._coord.main_lane, _common_steps,
+                                                 what="the steps every rank holds")
         except BaseException:
             self._unlock()
             raise
@@ -745,7 +745,7 @@ class CheckpointManager:
             for s in local_newer:
                 uploader.set_aside(self.local, s)
         if self._coord is not None:
-            self._coord.gather(None, self._coord.main_group)  # no rank saves before every tier is rolled back
+            self._coord.barrier(self._coord.main_lane, what=f"rollback to step {step}")  # every tier first
         if newer:
             log.warning("rollback to step %d: set aside step(s) %s (local %s, remote %s)", step, sorted(newer),
                         local_newer, remote_newer)
@@ -834,6 +834,11 @@ class CheckpointManager:
                 self._unlock()
             except Exception:
                 pass
+
+
+def _common_steps(everyone: list[list[int]]) -> list[int]:
+    """The steps every rank holds (rank 0 computes it at start-up): the only ones a multi-rank job resumes."""
+    return sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
 
 
 def _leaf_records(plan: SnapshotPlan, locations: list[tuple[int, int]],

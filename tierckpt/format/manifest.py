@@ -224,7 +224,10 @@ class StepManifest:
     step: int
     world_size: int
     save_id: str
+    #: The rank manifests of this copy: every rank of the job, or (a node's copy of a multi-rank step) the ranks in
+    #: ``holds_ranks``, so that a node's copy stays O(its ranks) whatever the world size.
     ranks: tuple[RankRef, ...]
+    #: Bytes of every rank's shards (the whole step, also in a node's copy)
     total_bytes: int
     metadata: Any = None
     created: float = field(default_factory=time.time)
@@ -248,9 +251,10 @@ class StepManifest:
         d = _unseal(raw, FORMAT + ".step", step=step, path=path)
         g = _Getter(d, step, path)
         world = g.int("world_size")
-        if len(g.list("ranks")) != world:
-            raise CorruptCheckpointError(f"manifest lists {len(g.list('ranks'))} ranks for world size {world}",
-                                         step=step, path=path)
+        holds = _holds_ranks(d.get("holds_ranks"), world, step, path)
+        listed = len(g.list("ranks"))
+        if listed != world and (holds is None or listed != len(holds)):
+            raise CorruptCheckpointError(f"manifest lists {listed} ranks for world size {world}", step=step, path=path)
         ranks = []
         for i, rd in enumerate(g.list("ranks")):
             rg = _Getter(rd, step, path, f"ranks[{i}]")
@@ -258,8 +262,12 @@ class StepManifest:
                 RankRef(rg.int("rank"), check_file_name(rg.str("name"), step=step, path=path), rg.int("size"),
                         rg.str("checksum"))
             )
-        if world < 1 or sorted(r.rank for r in ranks) != list(range(world)):
-            raise CorruptCheckpointError(f"manifest does not list exactly ranks 0..{world - 1}", step=step, path=path)
+        # a copy lists every rank of the job, or (a node's copy of a multi-rank step) exactly the ranks it holds
+        expected = list(range(world)) if listed == world else list(holds or ())
+        if world < 1 or sorted(r.rank for r in ranks) != expected:
+            raise CorruptCheckpointError(f"manifest does not list exactly ranks 0..{world - 1}" if listed == world
+                                         else f"manifest does not list exactly the ranks it holds, {expected}",
+                                         step=step, path=path)
         m = cls(
             step=g.int("step"),
             world_size=world,
@@ -271,7 +279,7 @@ class StepManifest:
             library_version=g.str("library_version"),
             format_version=g.int("format_version"),
             hash_algorithm=g.str("hash_algorithm"),
-            holds_ranks=_holds_ranks(d.get("holds_ranks"), world, step, path),
+            holds_ranks=holds,
         )
         if step is not None and m.step != step:
             raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}",

@@ -5,9 +5,11 @@ Local tier (node-local; the ranks of one node share one folder), for each rank:
 1. write the rank's data files, then its rank manifest, into ``.tmp-step-<N>-r<rank>-<save id>/`` (each fsync-ed);
 2. move them into ``step-<N>/`` (renames within one file system: data files first, the rank manifest last) and
    fsync ``step-<N>/``: the rank's shard is now durable, but no step manifest names it yet;
-3. (the manager's gloo group agrees that *every* rank got here; a failure anywhere stops here, for everyone);
+3. (the ranks agree through the job's c10d store that *every* rank got here; a failure anywhere stops here, for
+   everyone);
 4. the node's leader (its lowest rank) writes ``step-<N>/manifest.json`` atomically (temporary name, rename, fsync),
-   listing every rank of the job and, in ``holds_ranks``, the ranks whose shards this node holds;
+   listing the ranks whose shards this node holds (``ranks``, and their numbers in ``holds_ranks``) and the job's
+   world size;
 5. the leader removes files of older saves of step N from the folder (names carry the save id, which all ranks share).
 
 Remote tier (shared by all ranks), one attempt of one step (:func:`replicate_shards`, every rank at once):
@@ -19,8 +21,7 @@ Remote tier (shared by all ranks), one attempt of one step (:func:`replicate_sha
    ``manifest.json`` last and tells every rank whether the step is committed.
 
 Steps 1-3 talk through a :class:`CommitChannel` (the job's c10d store), never through the remote: no rank polls
-storage for another's progress, and rank 0 reads no rank manifest back. The older protocol of polling the remote
-(:func:`commit_remote`, :func:`wait_remote_commit`) stays for a job without a channel.
+storage for another's progress, and rank 0 reads no rank manifest back.
 
 A step folder without ``manifest.json`` is never a checkpoint, whatever shards it holds.
 """
@@ -48,7 +49,6 @@ from .writer import RankSnapshot, write_rank
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
 
 
 def persist_shard(store: LocalStore, snap: RankSnapshot, executor: Executor,
@@ -158,54 +158,6 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def commit_remote(remote: Store, manifest: StepManifest, *, deadline_s: float | None) -> StepManifest:
-    """Rank 0: wait until every rank manifest is on the remote, then write ``manifest.json`` there."""
-    folder = layout.step_dir(manifest.step)
-    deadline = None if deadline_s is None else time.monotonic() + deadline_s
-    refs: dict[int, RankRef] = {}
-    while True:
-        for ref in manifest.ranks:
-            if ref.rank in refs:
-                continue
-            rel = join(folder, ref.name)
-            try:
-                raw = remote.read_bytes(rel, max_size=MAX_MANIFEST_BYTES)
-                rm = RankManifest.from_bytes(raw, step=manifest.step, path=f"{remote.url}/{rel}")
-            except (FileNotFoundError, CorruptCheckpointError):
-                continue  # not there yet, or still being written by a POSIX writer
-            if rm.rank != ref.rank or rm.save_id != manifest.save_id:
-                continue
-            refs[ref.rank] = RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex())
-        if len(refs) == len(manifest.ranks):
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            missing = sorted(r.rank for r in manifest.ranks if r.rank not in refs)
-            raise UploadError(f"ranks {missing} did not upload their shards in time; "
-                              "the step is not committed remotely",
-                              step=manifest.step, tier=remote.tier, path=f"{remote.url}/{folder}")
-        time.sleep(POLL_S)
-    final = dataclasses.replace(manifest, ranks=tuple(refs[r.rank] for r in manifest.ranks), holds_ranks=None)
-    commit_step(remote, final)
-    return final
-
-
-def wait_remote_commit(remote: Store, step: int, save_id: str, *, deadline_s: float | None) -> None:
-    """Ranks other than 0: wait until rank 0 committed the step on the remote."""
-    folder = layout.step_dir(step)
-    deadline = None if deadline_s is None else time.monotonic() + deadline_s
-    while True:
-        try:
-            m = read_step_manifest(remote, folder, step)
-        except CorruptCheckpointError:
-            m = None
-        if m is not None and m.save_id == save_id:
-            return
-        if deadline is not None and time.monotonic() > deadline:
-            raise UploadError("rank 0 did not commit the step on the remote in time", step=step, tier=remote.tier,
-                              path=f"{remote.url}/{folder}")
-        time.sleep(POLL_S)
-
-
 class CommitChannel(Protocol):
     """Messages of one multi-rank upload attempt between its ranks (:class:`tierckpt.distributed.StoreChannel`):
     small JSON-able dicts posted under a name and fetched by name, each by a known number of readers."""
@@ -291,9 +243,9 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, chann
                      deadline_s: float | None, retry: RetryPolicy) -> StepManifest:
     """Rank 0: every rank's reported reference, confirmed by one listing of the step folder, then the commit."""
     step, folder = manifest.step, layout.step_dir(manifest.step)
-    names = [f"{attempt}/r{r.rank}" for r in manifest.ranks if r.rank != 0]
+    names = [f"{attempt}/r{r}" for r in range(1, manifest.world_size)]
     reports = channel.fetch(names, deadline_s, readers=1)
-    missing = sorted(r.rank for r in manifest.ranks if r.rank != 0 and f"{attempt}/r{r.rank}" not in reports)
+    missing = [r for r in range(1, manifest.world_size) if f"{attempt}/r{r}" not in reports]
     if missing:
         raise UploadError(f"ranks {missing} did not upload their shards in time; the step is not committed remotely",
                           step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
@@ -308,7 +260,7 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, chann
     if wrong:
         raise UploadError(f"the rank manifests of rank(s) {wrong} are not on the remote as reported; the step is not "
                           "committed remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
-    final = dataclasses.replace(manifest, ranks=tuple(refs[r.rank] for r in manifest.ranks), holds_ranks=None)
+    final = dataclasses.replace(manifest, ranks=tuple(refs[r] for r in range(manifest.world_size)), holds_ranks=None)
     faults.point("remote-commit")
     retry.call(lambda: commit_step(remote, final), what=f"commit {remote.url}/{folder}")  # throttling retried
     return final
