@@ -359,8 +359,35 @@ def job_load4(job: Job) -> None:
         out["untouched"] = all(bool((v.full_tensor() == 0).all()) for v in st["model"].values()) and st["step"] == 0
         return out
 
+    def index_reads() -> dict[str, Any]:
+        """Saved on 4 ranks as Shard(0) of a 1-D mesh, restored on the (2, 2) mesh as (Shard(0), Replicate): the
+        rank at (i, j) needs rows 4i..4i+3, saved by ranks 2i and 2i+1, and reads only those ranks' manifests."""
+        import tierckpt._restore as restore_mod
+
+        full = {"x": torch.arange(24, dtype=torch.float32).reshape(8, 3)}
+        with manager(root, f"ix{rank}", "ixremote") as m:
+            m.save(1, {"model": distribute(full, mesh, {"x": "S0"}, zero=False)})
+            m.wait()
+        reads: list[int] = []
+        original = restore_mod.read_ranks
+
+        def counting(store: Any, manifest: Any, ranks: Any = None) -> Any:
+            reads.extend(ranks or [])
+            return original(store, manifest, ranks)
+
+        restore_mod.read_ranks = counting
+        try:
+            with manager(root, f"ix{rank}", "ixremote") as m:
+                st = {"model": distribute(full, mesh2, {"x": "S0,R"}, zero=True)}
+                got = m.restore(st)
+        finally:
+            restore_mod.read_ranks = original
+        return {"restored": got, "exact": same(st["model"]["x"].full_tensor(), full["x"]),
+                "other_ranks_read": sorted(set(reads) - {rank})}
+
     job.phase("dt_1d", dt_1d)
     job.phase("dt_2d", dt_2d)
+    job.phase("index_reads", index_reads)
     job.phase("dt_empty_target", dt_empty_target)
     job.phase("dt_shape_mismatch", dt_shape_mismatch)
     job.phase("fsdp_load", lambda: fsdp_load("fsdp"))

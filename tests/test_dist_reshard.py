@@ -113,6 +113,15 @@ def test_dtensor_two_ranks_to_four_ranks_2d_mesh(load4: Run) -> None:
     assert_all_exact(recs, DT_KEYS, step=2)
 
 
+def test_reshard_reads_only_the_manifests_of_the_ranks_whose_shards_overlap(load4: Run) -> None:
+    # saved as Shard(0) on 4 ranks, restored as (Shard(0), Replicate) on a (2, 2) mesh: rank r = 2i + j needs the
+    # rows saved by ranks 2i and 2i + 1, and the step manifest's mesh index says which those are
+    for rank, rec in enumerate(load4.phases("index_reads")):
+        assert rec["restored"] == 1 and rec["exact"], rec
+        i = rank // 2
+        assert rec["other_ranks_read"] == sorted({2 * i, 2 * i + 1} - {rank}), (rank, rec)
+
+
 def test_dtensor_two_ranks_to_three_ranks_uneven(load3: Run) -> None:
     recs = load3.phases("dt_3")
     assert_all_exact(recs, DT_KEYS, step=2)

@@ -34,8 +34,9 @@ import torch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from .format import hashing, layout
 from .format.manifest import RankManifest, RankRef, StepManifest
+from .format.shards import UnknownPlacement, mesh_key, overlaps, saved_box
 from .snapshot import hostcopy
-from .snapshot.dtensor import assemble, target_box, to_live_layout
+from .snapshot.dtensor import assemble, saved_layouts, target_box, to_live_layout
 from .snapshot.load import plan_restore
 from .snapshot.loaded import LoadedBuffer, byte_view, tensor_view_factory
 from .snapshot.staging import aligned_empty
@@ -337,9 +338,13 @@ def _assemble_dtensors(eng: Engine, store: Store, manifest: StepManifest,
                        own: tuple[int, RankManifest, Any], complete: bool = True) -> dict[str, torch.Tensor]:
     """Each distributed-tensor target's box, from the saved shards that overlap it (read whole and verified).
 
-    Shards of this rank's own saved manifest come from the bytes already loaded; the others are read from the first
-    tier that holds their rank (the local tier of a node holds its own ranks; the remote holds all). ``complete``:
-    whether ``manifest`` lists every rank ``store`` holds (else it is read again if other ranks are needed)."""
+    Shards of this rank's own saved manifest come from the bytes already loaded. When they are exactly its targets
+    (the same world size and placements) no other manifest is read. Otherwise the ranks whose shards overlap the
+    targets are found from the step manifest's mesh index (:mod:`.format.shards`) and only their manifests are
+    read, each from the first tier that holds its rank (the local tier of a node holds its own ranks; the remote
+    holds all); every rank's, where the index cannot tell (a checkpoint without one, a placement it does not know)
+    or the ranks it named leave part of a target uncovered. ``complete``: whether ``manifest`` lists every rank
+    ``store`` holds (else it is read again if other ranks are needed)."""
     if not targets:
         return {}
     src, own_rm, own_raw = own
@@ -359,27 +364,81 @@ def _assemble_dtensors(eng: Engine, store: Store, manifest: StepManifest,
     own_boxes = {rec.path: (tuple(rec.shard["offset"]), tuple(rec.shape)) for rec in own_rm.tensors
                  if rec.shard is not None and rec.path in targets}
     if all(own_boxes.get(path) == target_box(live)[1:] for path, (live, _c, _g) in targets.items()):
-        # the same sharding as when saved (the same world size and placements): this rank's own shards are its
-        # targets, and no other rank's manifest is read (O(1) requests a rank, not O(world size))
-        others: list[Any] = []
-    else:
-        others = list((step_manifest_of(store) or manifest).ranks)
-    for ref in others:
-        if ref.rank in manifests:
+        # the same sharding as when saved: this rank's own shards are its targets (O(1) requests a rank)
+        return _assembled(targets, manifests, src, own_raw, manifest.step)
+    # every rank of the step (a node's copy lists only its own ranks: then the remote's manifest lists them all)
+    listing = next((m for m in (step_manifest_of(t) for t in tiers) if m is not None
+                    and len(m.ranks) == m.world_size), None) or step_manifest_of(store) or manifest
+    everyone = [ref.rank for ref in listing.ranks]
+    wanted = _overlapping(listing, own_rm, targets)
+    for attempt in ([r for r in everyone if r in wanted], everyone) if wanted is not None else (everyone,):
+        for rank in attempt:
+            if rank not in manifests:
+                _find_rank_manifest(rank, tiers, step_manifest_of, own_rm.save_id, manifests)
+        try:
+            return _assembled(targets, manifests, src, own_raw, manifest.step)
+        except CorruptCheckpointError:
+            if len(manifests) >= len(everyone) or attempt is everyone:
+                raise
+            log.info("restore: step %d: the ranks the mesh index named leave a target uncovered; reading every "
+                     "rank's manifest", manifest.step)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _overlapping(listing: StepManifest, own_rm: RankManifest,
+                 targets: dict[str, tuple[Any, str, tuple[int, ...]]]) -> set[int] | None:
+    """The saved ranks whose shards overlap some target, from the step manifest's mesh index and the layouts in
+    this rank's saved tree; None where that cannot be told (then every rank is read)."""
+    if not any(ref.mesh for ref in listing.ranks):
+        return None  # a checkpoint without a mesh index
+    saved = saved_layouts(own_rm.tree)
+    # the index must reproduce this rank's own boxes, or its arithmetic does not match how the shards were cut
+    try:
+        for rec in own_rm.tensors:
+            sh = rec.shard
+            if sh is not None and rec.path in targets:
+                box = saved_box(sh["global_shape"], sh["placements"], sh["mesh_shape"], sh["coordinate"])
+                if box != (tuple(sh["offset"]), tuple(rec.shape)):
+                    return None
+        wanted: set[int] = set()
+        for path, (live, _code, gshape) in targets.items():
+            layout_ = saved.get(path)
+            if layout_ is None or "placements" not in layout_:
+                return None
+            _g, offset, shape = target_box(live)
+            key = mesh_key(layout_["mesh_shape"], layout_.get("mesh_dims"))
+            for ref in listing.ranks:
+                coord = dict(ref.mesh).get(key)
+                if coord is None:
+                    continue
+                box = saved_box(gshape, layout_["placements"], layout_["mesh_shape"], coord)
+                if box is not None and overlaps(box, (offset, shape)):
+                    wanted.add(ref.rank)
+    except (UnknownPlacement, KeyError, TypeError):
+        return None
+    return wanted
+
+
+def _find_rank_manifest(rank: int, tiers: list[Store], step_manifest_of: Callable[[Store], StepManifest | None],
+                        save_id: str, manifests: dict[int, tuple[Store, RankManifest]]) -> None:
+    """``rank``'s manifest of this save from the first tier that holds it intact (into ``manifests``)."""
+    for tier in tiers:
+        tier_manifest = step_manifest_of(tier)
+        if tier_manifest is None or not any(ref.rank == rank for ref in tier_manifest.ranks):
             continue
-        for tier in tiers:
-            tier_manifest = step_manifest_of(tier)
-            if tier_manifest is None:
-                continue
-            try:
-                rms = read_ranks(tier, tier_manifest, [ref.rank])
-            except (CheckpointNotFoundError, CorruptCheckpointError):
-                continue
-            if rms and rms[0].save_id == own_rm.save_id:
-                manifests[ref.rank] = (tier, rms[0])
-                break
+        try:
+            rms = read_ranks(tier, tier_manifest, [rank])
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            continue
+        if rms and rms[0].save_id == save_id:
+            manifests[rank] = (tier, rms[0])
+            return
+
+
+def _assembled(targets: dict[str, tuple[Any, str, tuple[int, ...]]], manifests: dict[int, tuple[Store, RankManifest]],
+               src: int, own_raw: Any, step: int) -> dict[str, torch.Tensor]:
     by_path: dict[str, list[tuple[Any, Any]]] = {}
-    for rank, (tier, rm) in manifests.items():
+    for rank, (tier, rm) in sorted(manifests.items()):
         for rec in rm.tensors:
             if rec.shard is None or rec.path not in targets:
                 continue
@@ -388,7 +447,7 @@ def _assemble_dtensors(eng: Engine, store: Store, manifest: StepManifest,
     out = {}
     for path, (live, code, gshape) in targets.items():
         _g, offset, shape = target_box(live)
-        out[path] = assemble(path, code, gshape, offset, shape, by_path.get(path, []), step=manifest.step)
+        out[path] = assemble(path, code, gshape, offset, shape, by_path.get(path, []), step=step)
     return out
 
 

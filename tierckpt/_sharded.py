@@ -54,7 +54,7 @@ def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> 
     outcome: dict[str, Any]
     try:
         rm, ref = sharded.persist_shard(eng.local, snap, eng.io, eng.hash)
-        outcome = {"ref": (ref.rank, ref.name, ref.size, ref.checksum), "bytes": rm.total_bytes,
+        outcome = {"ref": (ref.rank, ref.name, ref.size, ref.checksum, ref.mesh), "bytes": rm.total_bytes,
                    "node": topo.node_ranks if topo.is_node_leader else None}
         if topo.rank == 0:
             outcome |= {"created": time.time(), "metadata": snap.metadata}

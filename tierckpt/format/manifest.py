@@ -29,6 +29,7 @@ from . import hashing
 from .checks import check_shape, unique_keys
 from .dtypes import ITEMSIZE
 from .layout import check_file_name
+from .shards import MeshIndex
 from .tensors import (
     COLUMNS,
     TENSOR_KINDS,
@@ -42,6 +43,9 @@ FORMAT = "tierckpt"
 FORMAT_VERSION = 2
 #: No manifest is read if larger than this (bytes).
 MAX_MANIFEST_BYTES = 256 << 20
+#: bounds of a rank's mesh index (:mod:`.shards`): the meshes its shards lie on, and their dimensions
+MAX_MESHES = 64
+MAX_MESH_DIMS = 16
 #: Format versions this library reads (1: one JSON object per tensor record; 2: the tensor table of :mod:`.tensors`).
 READS_VERSIONS = (1, 2)
 
@@ -213,10 +217,20 @@ def _well_formed_tensors(items: list[Any], files: list[FileRecord]) -> list[Tens
 
 @dataclass(frozen=True)
 class RankRef:
+    """A step manifest's reference to one rank's manifest: its name, size and checksum, and the rank's coordinates
+    on the device meshes of its distributed-tensor shards (:mod:`.shards`; empty without any)."""
+
     rank: int
     name: str
     size: int
     checksum: str
+    mesh: MeshIndex = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rank": self.rank, "name": self.name, "size": self.size, "checksum": self.checksum}
+        if self.mesh:
+            d["mesh"] = {k: list(c) for k, c in self.mesh}
+        return d
 
 
 @dataclass(frozen=True)
@@ -241,7 +255,7 @@ class StepManifest:
     def to_bytes(self) -> bytes:
         """The sealed manifest in the current format (whatever version it was read from)."""
         d = _shallow(self)
-        d["ranks"] = [_shallow(r) for r in self.ranks]
+        d["ranks"] = [r.to_json() for r in self.ranks]
         d["format"] = FORMAT + ".step"
         d["format_version"] = FORMAT_VERSION
         return _seal(d)
@@ -260,7 +274,7 @@ class StepManifest:
             rg = _Getter(rd, step, path, f"ranks[{i}]")
             ranks.append(
                 RankRef(rg.int("rank"), check_file_name(rg.str("name"), step=step, path=path), rg.int("size"),
-                        rg.str("checksum"))
+                        rg.str("checksum"), _mesh_index(rd.get("mesh"), step, path))
             )
         # a copy lists every rank of the job, or (a node's copy of a multi-rank step) exactly the ranks it holds
         expected = list(range(world)) if listed == world else list(holds or ())
@@ -285,6 +299,17 @@ class StepManifest:
             raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}",
                                          step=step, path=path)
         return m
+
+
+def _mesh_index(v: Any, step: int | None, path: str | None) -> MeshIndex:
+    if v is None:
+        return ()
+    ok = isinstance(v, dict) and len(v) <= MAX_MESHES and all(
+        isinstance(k, str) and len(k) <= 256 and isinstance(c, list) and len(c) <= MAX_MESH_DIMS
+        and all(type(i) is int and i >= 0 for i in c) for k, c in v.items())
+    if not ok:
+        raise CorruptCheckpointError("manifest has a malformed mesh index", step=step, path=path)
+    return tuple(sorted((k, tuple(c)) for k, c in v.items()))
 
 
 def _holds_ranks(v: Any, world: int, step: int | None, path: str | None) -> tuple[int, ...] | None:

@@ -2,7 +2,8 @@
 in the global tensor, and assembling any target shard from saved shards of any other layout (resharding).
 
 Saving: each DTensor leaf stores its local shard (contiguous, row-major) with ``shard = {"global_shape", "offset",
-"placements", "mesh"}``. A shard that several ranks hold identically (``Replicate`` on some mesh dimension) is
+"placements", "mesh_shape", "mesh_dims", "coordinate"}`` (older checkpoints: ``"mesh"``, the mesh's ranks, in place
+of the last three). A shard that several ranks hold identically (``Replicate`` on some mesh dimension) is
 written only by the rank at coordinate 0 of those dimensions, so replicated data is stored once; the other ranks
 record the leaf without data.
 
@@ -72,13 +73,34 @@ def shard_info(t: Any) -> tuple[torch.Tensor, dict[str, Any], bool]:
     """The local shard (contiguous), its shard description, and whether this rank stores it."""
     offset, writer = local_box(t)
     local = t.to_local()
+    mesh = t.device_mesh
     info = {
         "global_shape": list(t.shape),
         "offset": list(offset),
         "placements": [str(p) for p in t.placements],
-        "mesh": str(t.device_mesh.mesh.tolist()),
+        # where the shard lies, in a few integers whatever the mesh's size (tierckpt.format.shards)
+        "mesh_shape": list(mesh.shape),
+        "mesh_dims": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        "coordinate": list(mesh.get_coordinate() or ()),
     }
     return local, info, writer
+
+
+def saved_layouts(tree: Any) -> dict[str, dict[str, Any]]:
+    """Every ``$dtensor`` node of a saved tree by key path: its global shape, dtype and (where saved) placements
+    and mesh, which every rank records, also for a replicated tensor it stores no shard of."""
+    out: dict[str, dict[str, Any]] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$dtensor"), str):
+                out[node["$dtensor"]] = node
+                continue
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
 
 
 def target_box(live: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -81,8 +81,8 @@ class _Decoder:
             return node
         if isinstance(node, list):
             return [self.decode(v, own=own, depth=depth + 1) for v in node]
-        if not isinstance(node, dict) or len(node) not in (1, 2, 3):
-            raise self.bad(f"unexpected node {str(node)[:80]}")
+        if not isinstance(node, dict) or not (len(node) in (1, 2, 3) or (len(node) <= 6 and "$dtensor" in node)):
+            raise self.bad(f"unexpected node {str(node)[:80]}")  # a $dtensor node may carry its layout too
         tag = next(iter(node))
         if tag == "$dtensor":
             if self.dtensor is None or not isinstance(node[tag], str):

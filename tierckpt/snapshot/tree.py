@@ -482,7 +482,9 @@ class _Flattener:
                 raise TypeError(f"cannot checkpoint tensor of dtype {local.dtype} at {path}")
             if writer:  # a replicated shard is stored by one rank only
                 self.add_tensor(local, path, prefix, shard=info)
-            return {"$dtensor": path, "global_shape": info["global_shape"], "dtype": code}
+            # the layout as every rank saved it, also on ranks that store no shard of it (a replicated one)
+            return {"$dtensor": path, "global_shape": info["global_shape"], "dtype": code,
+                    "placements": info["placements"], "mesh_shape": info["mesh_shape"], "mesh_dims": info["mesh_dims"]}
         if isinstance(obj, torch.Tensor):
             return {"$tensor": self.add_tensor(obj, path, prefix)}
         if isinstance(obj, np.ndarray):

@@ -38,6 +38,7 @@ from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UploadError
 from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
+from ..format.shards import mesh_index
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.fsspec_store import DEFAULT_PART_SIZE
@@ -67,7 +68,7 @@ def persist_shard(store: LocalStore, snap: RankSnapshot, executor: Executor,
         store.sync_dir(folder)
     finally:
         store.remove(tmp)
-    return rm, RankRef(snap.rank, rname, len(raw), hashing.digest(raw).hex())
+    return rm, RankRef(snap.rank, rname, len(raw), hashing.digest(raw).hex(), mesh_index(t.shard for t in rm.tensors))
 
 
 def discard_shard(store: LocalStore, step: int, rank: int, save_id: str) -> None:
@@ -149,7 +150,8 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
         rel = join(folder, layout.rank_manifest_name(rank, rm.save_id))
         faults.point("before-remote-manifest")
         run_jobs(pool, ctx, [(rel, bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False)))])
-        return RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex())
+        return RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex(),
+                       mesh_index(t.shard for t in rm.tensors))
     except TransferFailed as failed:
         raise UploadError(f"rank {rank}: cannot upload its shard: {failed.exc}", step=step, tier=remote.tier,
                           path=f"{remote.url}/{failed.rel}") from failed.exc
@@ -216,7 +218,8 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
             result()  # in step with the others (and the message read by everyone)
         raise
     if rank != 0:
-        channel.post(f"{attempt}/r{rank}", {"ref": [ref.rank, ref.name, ref.size, ref.checksum]})
+        channel.post(f"{attempt}/r{rank}", {"ref": [ref.rank, ref.name, ref.size, ref.checksum],
+                                             "mesh": [[k, list(c)] for k, c in ref.mesh]})
         outcome = result()
         if not outcome["ok"]:
             raise failed(f"the step is not committed remotely: {outcome['error']}")
@@ -254,7 +257,7 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, chann
         raise UploadError("rank(s) " + ", ".join(f"{r} ({e})" for r, e in sorted(errors.items()))
                           + " could not upload their shards; the step is not committed remotely",
                           step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
-    refs = {0: ref0} | {r: RankRef(*reports[f"{attempt}/r{r}"]["ref"]) for r in range(1, manifest.world_size)}
+    refs = {0: ref0} | {r: _reported(reports[f"{attempt}/r{r}"]) for r in range(1, manifest.world_size)}
     listed = retry.call(lambda: remote.sizes(folder), what=f"list {remote.url}/{folder}")
     wrong = [r for r, ref in refs.items() if listed.get(ref.name) != ref.size]
     if wrong:
@@ -264,6 +267,11 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, chann
     faults.point("remote-commit")
     retry.call(lambda: commit_step(remote, final), what=f"commit {remote.url}/{folder}")  # throttling retried
     return final
+
+
+def _reported(report: dict[str, Any]) -> RankRef:
+    """A rank's report of its uploaded shard (JSON through the channel) as its reference in the step manifest."""
+    return RankRef(*report["ref"], mesh=tuple((k, tuple(c)) for k, c in report.get("mesh", ())))
 
 
 def holds_rank(store: Store, step: int, rank: int) -> bool:

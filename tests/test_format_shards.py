@@ -1,0 +1,92 @@
+"""The mesh index's box arithmetic (tierckpt.format.shards) against DTensor's own, and the index in a manifest."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format.manifest import RankRef, StepManifest
+from tierckpt.format.shards import UnknownPlacement, mesh_index, mesh_key, overlaps, saved_box
+
+dt_utils = pytest.importorskip("torch.distributed.tensor._utils")
+placement_types = pytest.importorskip("torch.distributed.tensor")
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[list[int], list[str], list[int], list[int]]:
+    ndim = draw(st.integers(1, 3))
+    shape = draw(st.lists(st.integers(0, 13), min_size=ndim, max_size=ndim))
+    mdims = draw(st.integers(1, 3))
+    mesh = draw(st.lists(st.integers(1, 5), min_size=mdims, max_size=mdims))
+    places = draw(st.lists(st.one_of(st.just("R"), st.integers(0, ndim - 1).map(lambda d: f"S({d})")),
+                           min_size=mdims, max_size=mdims))
+    coord = [draw(st.integers(0, n - 1)) for n in mesh]
+    return shape, places, mesh, coord
+
+
+def _torch_placements(places: list[str]) -> list[object]:
+    return [placement_types.Replicate() if p == "R" else placement_types.Shard(int(p[2:-1])) for p in places]
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_saved_box_matches_dtensor(layout: tuple[list[int], list[str], list[int], list[int]]) -> None:
+    shape, places, mesh, coord = layout
+    box = saved_box(shape, places, mesh, coord)
+    local, offset = dt_utils._compute_local_shape_and_global_offset(shape, mesh, coord, _torch_placements(places))
+    stores = all(c == 0 for c, p in zip(coord, places) if p == "R")
+    if not stores:
+        assert box is None
+        return
+    assert box is not None
+    assert box[1] == tuple(local)
+    if all(n > 0 for n in local):  # an empty shard's offset is immaterial: it overlaps nothing
+        assert box[0] == tuple(offset)
+
+
+def test_both_spellings_of_placements_and_unknown_ones() -> None:
+    assert saved_box([8, 3], ["Shard(dim=0)"], [4], [2]) == saved_box([8, 3], ["S(0)"], [4], [2]) == ((4, 0), (2, 3))
+    assert saved_box([8], ["Replicate()"], [2], [1]) is None
+    for bad in (["_S(0)"], ["P"], ["S(3)"]):
+        with pytest.raises(UnknownPlacement):
+            saved_box([8], bad, [2], [0])
+    with pytest.raises(UnknownPlacement):
+        saved_box([8], ["S(0)"], [2, 2], [0, 0])
+
+
+def test_overlaps() -> None:
+    assert overlaps(((0, 0), (4, 3)), ((3, 2), (1, 1)))
+    assert not overlaps(((0, 0), (4, 3)), ((4, 0), (4, 3)))
+    assert not overlaps(((0,), (0,)), ((0,), (5,)))  # an empty box overlaps nothing
+
+
+def test_mesh_index_of_records_and_in_a_step_manifest() -> None:
+    shards = [None, {"mesh_shape": [2, 2], "mesh_dims": ["dp", "tp"], "coordinate": [1, 0]},
+              {"mesh_shape": [4], "coordinate": [3]}, {"mesh": "[[0, 1], [2, 3]]"}]  # the last: an older record
+    index = mesh_index(shards)
+    assert index == (("2x2:dp,tp", (1, 0)), ("4", (3,)))
+    assert mesh_key([2, 2], ["dp", "tp"]) == "2x2:dp,tp"
+    ref = RankRef(0, "r00000-abcd.manifest.json", 10, "0" * 32, index)
+    m = StepManifest(step=1, world_size=1, save_id="abcd", ranks=(ref,), total_bytes=10)
+    assert StepManifest.from_bytes(m.to_bytes()).ranks == (ref,)
+    plain = StepManifest(step=1, world_size=1, save_id="abcd", ranks=(RankRef(0, ref.name, 10, "0" * 32),),
+                         total_bytes=10)
+    assert b'"mesh"' not in plain.to_bytes()  # no index without distributed tensors
+
+
+def test_a_malformed_mesh_index_is_corrupt() -> None:
+    import json
+
+    from tierckpt.format import hashing
+
+    m = StepManifest(step=1, world_size=1, save_id="abcd",
+                     ranks=(RankRef(0, "r00000-abcd.manifest.json", 10, "0" * 32, (("4", (1,)),)),), total_bytes=10)
+    d = json.loads(m.to_bytes())
+    d["ranks"][0]["mesh"] = {"4": [-1]}
+    d.pop("checksum")
+    raw = b'{"checksum":"' + hashing.digest(hashing.canonical_json(d)).hex().encode() + b'",' \
+        + hashing.canonical_json(d)[1:]
+    with pytest.raises(CorruptCheckpointError, match="mesh index"):
+        StepManifest.from_bytes(raw)
