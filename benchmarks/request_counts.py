@@ -15,10 +15,16 @@ phase per launch, and the counts of each launch are taken separately:
 - ``restart-wiped``: the same with every local folder deleted first: every shard comes from the remote.
 
 Reported per W and phase: requests by kind, per save, per rank, rank 0's and the busiest other rank's, the bytes
-of manifests read per rank and of listings; then for each count the exponent of a least-squares fit of log(count)
-against log(W), the better of the fits a + b*W and a/W + b, and both extrapolated to W = 1,024 and 8,192 (fitted
-over W >= 2: one rank runs the single-process protocol). The protocol is meant to cost O(1) requests per rank per
-save and per restart, with rank 0 alone doing the job-wide work.
+of manifests read per rank and of listings; for each rank (mean, rank 0, busiest other rank) the local tier's
+filesystem metadata calls by kind (open, fsync, rename, mkdir, unlink, listdir, stat: counted inside the rank by
+wrapping the ``os`` functions for paths under its own local folder, and checked against CPython's audit events),
+the bytes it read from its local folder and the bytes of its GETs (manifests, data, listings); the busiest object
+key and the busiest prefix (a key up to its step folder, ``run/step-0000000003/``, and the root listing's ``run/``)
+with their requests per save and the busiest prefix's request rate over the measured save time, also at 1,024 and
+8,192 ranks; then for each count the exponent of a least-squares fit of log(count) against log(W), the better of the
+fits a + b*W and a/W + b, and both extrapolated to W = 1,024 and 8,192 (fitted over W >= 2: one rank runs the
+single-process protocol). The protocol is meant to cost O(1) requests and local calls per rank per save and per
+restart, with rank 0 alone doing the job-wide work.
 
 Time on the 2-core reference VM: W = 1, 2, 4, 8, 16 take about 12, 16, 25, 58 and 133 s (three launches each):
 4 minutes in all. A launch whose ranks fail, restore wrong bytes or hang fails the run with each rank's error
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import math
@@ -36,6 +43,7 @@ import os
 import re
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
+from xml.sax.saxutils import unescape
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -58,6 +67,8 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "bench-key", "AWS_SECRET_ACCESS_KEY": "bench-secr
 
 _RANK_MANIFEST_RE = re.compile(r"^r\d{5}-[0-9a-f]+\.manifest\.json$")
 _RANK_TAG_RE = re.compile(r"tierckpt-rank/(\d+)")
+_STEP_FOLDER_RE = re.compile(r"^step-\d+$")
+_DELETE_KEY_RE = re.compile(r"<Key>(.*?)</Key>", re.DOTALL)
 #: a request without a rank tag (this process's own, e.g. creating the bucket)
 UNTAGGED = -1
 
@@ -75,6 +86,48 @@ def key_kind(key: str) -> str:
     if base == "manifest.aside.json":
         return "aside-manifest"
     return "other-object"
+
+
+def key_prefix(key: str) -> str:
+    """The prefix that a request on ``key`` counts against: the key up to and including its step folder
+    (``run/step-0000000003/``, also for the folder's own name ``run/step-0000000003``); for a key in no step
+    folder, its folder (``run/``; ``""``: the bucket's root)."""
+    parts = key.split("/")
+    for i, part in enumerate(parts):
+        if _STEP_FOLDER_RE.match(part):
+            return "/".join(parts[: i + 1]) + "/"
+    return key.rpartition("/")[0] + "/" if "/" in key else ""
+
+
+def list_prefix(prefix: str) -> str:
+    """The prefix that a listing with ``prefix=...`` counts against: :func:`key_prefix` of it taken as a folder."""
+    if not prefix:
+        return ""
+    return key_prefix(prefix if prefix.endswith("/") else prefix + "/")
+
+
+def in_step_folder(name: str) -> bool:
+    """Whether a key or prefix lies in a step folder (it belongs to that step's save)."""
+    return any(_STEP_FOLDER_RE.match(part) for part in name.split("/"))
+
+
+def request_targets(method: str, path: str, query: str, *, deleted: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+    """The object keys and the prefixes (:func:`key_prefix`) that one path-style request counts against: an object
+    request its key and the key's prefix; a listing (of objects or of uploads) its ``prefix`` parameter's; a
+    multi-object delete each key it names (``deleted``, read from its body) and each distinct prefix of those once;
+    any other bucket request the bucket's root ``""``; ``/`` nothing."""
+    bucket, _, key = path.lstrip("/").partition("/")
+    if not bucket:
+        return [], []
+    if key:
+        return [key], [key_prefix(key)]
+    q = parse_qs(query, keep_blank_values=True)
+    if method == "POST" and "delete" in q:
+        keys = list(deleted)
+        return keys, sorted({key_prefix(k) for k in keys}) or [""]
+    if method == "GET":
+        return [], [list_prefix(q.get("prefix", [""])[0])]
+    return [], [""]
 
 
 def classify(method: str, path: str, query: str, headers: dict[str, str]) -> str:
@@ -138,12 +191,38 @@ class Tally:
 
 
 @dataclass
+class TargetTally:
+    """Requests on one object key or one prefix: how many, how many read (GET, HEAD) and how many wrote (PUT,
+    POST, DELETE); ``kind``: a key's :func:`key_kind` (empty for a prefix)."""
+
+    kind: str = ""
+    n: int = 0
+    reads: int = 0
+    writes: int = 0
+
+    def copy(self) -> TargetTally:
+        """A copy (the counter keeps counting into its own)."""
+        return TargetTally(self.kind, self.n, self.reads, self.writes)
+
+
+def _count_target(tallies: dict[str, TargetTally], name: str, kind: str, method: str) -> None:
+    t = tallies.setdefault(name, TargetTally(kind))
+    t.n += 1
+    t.reads += method in ("GET", "HEAD")
+    t.writes += method in ("PUT", "POST", "DELETE")
+
+
+@dataclass
 class Counts:
     """A snapshot of the counter: tallies keyed by (rank, method, kind); rank is :data:`UNTAGGED` when unknown."""
 
     tallies: dict[tuple[int, str, str], Tally] = field(default_factory=dict)
     #: with ``RequestCounter(trace=True)``: every request as (rank, method, path?query, status), in arrival order
     trace: list[tuple[int, str, str, int]] = field(default_factory=list)
+    #: requests by object key (:func:`request_targets`)
+    keys: dict[str, TargetTally] = field(default_factory=dict)
+    #: requests by prefix (:func:`request_targets`)
+    prefixes: dict[str, TargetTally] = field(default_factory=dict)
 
     def total(self, *, rank: int | None = None, kinds: Iterable[str] | None = None) -> int:
         """Requests of ``rank`` (None: every rank, untagged ones included) whose "METHOD kind" is in ``kinds``."""
@@ -165,10 +244,23 @@ class Counts:
             out[r] = out.get(r, 0) + t.n
         return dict(sorted(out.items()))
 
-    def bytes_out(self, *, kinds: Iterable[str]) -> int:
-        """Response body bytes of the requests whose "METHOD kind" is in ``kinds``."""
+    def bytes_out(self, *, kinds: Iterable[str], rank: int | None = None) -> int:
+        """Response body bytes of the requests (of ``rank``; None: every rank) whose "METHOD kind" is in ``kinds``."""
         wanted = set(kinds)
-        return sum(t.bytes_out for (_, m, k), t in self.tallies.items() if f"{m} {k}" in wanted)
+        return sum(t.bytes_out for (r, m, k), t in self.tallies.items()
+                   if f"{m} {k}" in wanted and (rank is None or r == rank))
+
+    def get_bytes(self, rank: int) -> dict[str, int]:
+        """The response body bytes of ``rank``'s GETs, by what was read: ``manifests`` (step, rank and set-aside
+        manifests), ``data``, ``listings`` and ``other``."""
+        out = dict.fromkeys(("manifests", "data", "listings", "other"), 0)
+        for (r, m, k), t in self.tallies.items():
+            if r != rank or m != "GET":
+                continue
+            what = ("manifests" if k.endswith("manifest") else "data" if k == "data"
+                    else "listings" if k == "list" else "other")
+            out[what] += t.bytes_out
+        return out
 
 
 class RequestCounter:
@@ -178,6 +270,8 @@ class RequestCounter:
         """``trace``: also keep every request's rank, method, target and status (:attr:`Counts.trace`)."""
         self._lock = threading.Condition()
         self._tallies: dict[tuple[int, str, str], Tally] = {}
+        self._keys: dict[str, TargetTally] = {}
+        self._prefixes: dict[str, TargetTally] = {}
         self._trace: list[tuple[int, str, str, int]] | None = [] if trace else None
         self._in_flight = 0
 
@@ -187,9 +281,14 @@ class RequestCounter:
             self._in_flight += 1
 
     def record(self, rank: int, method: str, kind: str, *, status: int, bytes_in: int, bytes_out: int,
-               target: str = "") -> None:
-        """Count one finished request (``target``: its path and query, for the trace)."""
+               target: str = "", keys: Iterable[str] = (), prefixes: Iterable[str] = ()) -> None:
+        """Count one finished request (``target``: its path and query, for the trace; ``keys``, ``prefixes``: what
+        it counts against, :func:`request_targets`)."""
         with self._lock:
+            for key in keys:
+                _count_target(self._keys, key, key_kind(key), method)
+            for prefix in prefixes:
+                _count_target(self._prefixes, prefix, "", method)
             self._in_flight -= 1
             self._lock.notify_all()
             t = self._tallies.setdefault((rank, method, kind), Tally())
@@ -204,15 +303,16 @@ class RequestCounter:
         """The tallies so far (copied), the counter left as it is."""
         with self._lock:
             return Counts({k: Tally(t.n, t.errors, t.bytes_in, t.bytes_out) for k, t in self._tallies.items()},
-                          list(self._trace or []))
+                          list(self._trace or []), {k: t.copy() for k, t in self._keys.items()},
+                          {k: t.copy() for k, t in self._prefixes.items()})
 
     def take(self, *, settle_s: float = 10.0) -> Counts:
         """The tallies so far, and start again from zero (one phase's counts). Waits up to ``settle_s`` for the
         requests still being answered, so that a request is counted in the phase that sent it."""
         with self._lock:
             self._lock.wait_for(lambda: self._in_flight <= 0, timeout=settle_s)
-            out = Counts(self._tallies, list(self._trace or []))
-            self._tallies = {}
+            out = Counts(self._tallies, list(self._trace or []), self._keys, self._prefixes)
+            self._tallies, self._keys, self._prefixes = {}, {}, {}
             if self._trace is not None:
                 self._trace = []
         return out
@@ -242,7 +342,9 @@ class _CountedBody:
 
 class CountingMiddleware:
     """WSGI middleware: every request through ``app`` is classified (:func:`classify`) and counted in ``counter``,
-    attributed to the rank named in its User-Agent (``tierckpt-rank/<n>``)."""
+    attributed to the rank named in its User-Agent (``tierckpt-rank/<n>``) and to the keys and prefixes it acts on
+    (:func:`request_targets`; a multi-object delete's keys are read from its body, which ``app`` then reads as
+    sent)."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], counter: RequestCounter) -> None:
         self.app = app
@@ -258,6 +360,13 @@ class CountingMiddleware:
         bytes_in = int(size) if size.isdigit() else 0
         status = [0]
         target = environ.get("PATH_INFO", "/") + ("?" + environ["QUERY_STRING"] if environ.get("QUERY_STRING") else "")
+        deleted: list[str] = []
+        if kind == "delete-multi" and bytes_in and environ.get("CONTENT_LENGTH", "").isdigit():
+            body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
+            environ["wsgi.input"] = io.BytesIO(body)
+            deleted = [unescape(k) for k in _DELETE_KEY_RE.findall(body.decode("utf-8", "replace"))]
+        keys, prefixes = request_targets(method, environ.get("PATH_INFO", "/"), environ.get("QUERY_STRING", ""),
+                                         deleted=deleted)
 
         def counting_start(status_line: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             status[0] = int(status_line.split(None, 1)[0])
@@ -265,7 +374,7 @@ class CountingMiddleware:
 
         def done(sent: int) -> None:
             self.counter.record(rank, method, kind, status=status[0], bytes_in=bytes_in, bytes_out=sent,
-                                target=target)
+                                target=target, keys=keys, prefixes=prefixes)
 
         self.counter.begin()
         try:
@@ -345,13 +454,15 @@ class LaunchFailed(RuntimeError):
 
 @dataclass
 class Launch:
-    """One phase of one world size: the ranks' records, the requests counted, and how long it took."""
+    """One phase of one world size: the ranks' records, the requests counted, how long it took, and the remote
+    (``s3://bucket/folder``) the ranks used."""
 
     phase: str
     world: int
     counts: Counts
     records: list[dict[str, Any]]
     wall_s: float
+    remote: str = ""
 
 
 def launch_phase(server: CountingS3Server, phase: str, world: int, folder: Path, remote: str, *, steps: int,
@@ -414,8 +525,8 @@ def launch_phase(server: CountingS3Server, phase: str, world: int, folder: Path,
         why = (f"rank(s) {stuck} still running after {timeout_s:.0f} s (stacks in their logs, {run_dir})"
                if timed_out else f"rank(s) {bad} failed ({run_dir})")
         raise LaunchFailed(f"{phase} with {world} ranks: {why}\n" + "\n".join(detail),
-                           Launch(phase, world, counts, records, wall))
-    return Launch(phase, world, counts, records, wall)
+                           Launch(phase, world, counts, records, wall, remote))
+    return Launch(phase, world, counts, records, wall, remote)
 
 
 def run_world(server: CountingS3Server, world: int, scratch: Path, *, steps: int, numel: int,
@@ -430,10 +541,113 @@ def run_world(server: CountingS3Server, world: int, scratch: Path, *, steps: int
 
 # ------------------------------------------------------------------------------------------------ summaries
 MANIFEST_GETS = ("GET step-manifest", "GET rank-manifest")
+#: requests a second per prefix that S3 documents it serves: writes (PUT, COPY, POST, DELETE), reads (GET, HEAD)
+S3_PREFIX_WRITES_PER_S, S3_PREFIX_READS_PER_S = 3500, 5500
+
+
+def _spread(values: list[float], w: int, per: float) -> dict[str, float | None]:
+    """Of one number per rank (rank order): the mean, rank 0's and the largest of the other ranks', each / ``per``."""
+    return {"per_rank": sum(values) / w / per, "rank0": values[0] / per,
+            "max_other_rank": max(values[1:]) / per if w > 1 else None}
+
+
+def summarize_local_ops(records: list[dict[str, Any]], w: int, per: float) -> dict[str, Any]:
+    """The ranks' local-tier calls (their records' ``local_ops``), per save in the save phase (``per``: the number
+    of saves), per restart otherwise: for each category and for all of them, the mean over ranks, rank 0's and the
+    busiest other rank's (for each row its own busiest); the mean of every function's count (``by_call``), of the
+    opens that may create a file, and the bytes read from the local tier (mean, rank 0, busiest other). ``audit``:
+    over all ranks, each audited category's wrapped calls against CPython's audit events for it (they differ only
+    where some call went around the wrappers). Empty when the records hold no counts."""
+    ops = [rec.get("local_ops") for rec in records]
+    if len(ops) != w or not all(ops):
+        return {}
+    names = list(ops[0]["categories"])  # the rank script's LOCAL_OP_CATEGORIES, in its order
+    cats = [{c: o["categories"].get(c, 0) for c in names} for o in ops]
+    out: dict[str, Any] = {"categories": {c: _spread([x[c] for x in cats], w, per) for c in names},
+                           "all": _spread([sum(x.values()) for x in cats], w, per),
+                           "creates": sum(o["creates"] for o in ops) / w / per,
+                           "read_bytes": _spread([o["read_bytes"] for o in ops], w, per)}
+    calls = sorted({k for o in ops for k in o["calls"]})
+    out["by_call"] = {k: sum(o["calls"].get(k, 0) for o in ops) / w / per for k in calls}
+    out["failed"] = {k: sum(o["failed"].get(k, 0) for o in ops) for k in calls if any(o["failed"].get(k) for o in ops)}
+    out["audit"] = {c: {"wrapped": sum(o["audit_wrapped"][c] for o in ops),
+                        "audited": sum(o["audit"].get(c, 0) for o in ops)} for c in ops[0]["audit_wrapped"]}
+    return out
+
+
+def _hottest(tallies: dict[str, TargetTally], phase: str, steps: int) -> tuple[str, TargetTally, int] | None:
+    """The key or prefix with the most requests per save (per restart outside the save phase), with its tally and
+    the number of saves it spans: one for a name in a step folder (it belongs to that step's save), every save
+    otherwise. The first in name order on a tie; None without any."""
+    if not tallies:
+        return None
+
+    def spans(name: str) -> int:
+        return 1 if phase != "save" or in_step_folder(name) else steps
+
+    name = max(sorted(tallies), key=lambda k: tallies[k].n / spans(k))
+    return name, tallies[name], spans(name)
+
+
+def _target(name: str, t: TargetTally, spans: int) -> dict[str, Any]:
+    return {"name": name, "kind": t.kind, "requests": t.n / spans, "reads": t.reads / spans,
+            "writes": t.writes / spans, "total": t.n, "saves": spans}
+
+
+def root_prefix(remote: str) -> str:
+    """The prefix of a job's root listing (``s3://bucket/run`` -> ``run/``)."""
+    path = remote.split("://", 1)[-1]
+    folder = path.partition("/")[2].strip("/")
+    return folder + "/" if folder else ""
+
+
+def phase_window_s(launch: Launch) -> float | None:
+    """The seconds over which a phase's requests are spread for a rate: in the save phase the median over saves of
+    the slowest rank's save (from ``save()`` until it is durable and committed on every tier), else the slowest
+    rank's restore; None where the records lack the times."""
+    recs = launch.records
+    if launch.phase == "save":
+        times = [rec.get("save_s") for rec in recs]
+        if not times or not all(times) or len({len(t) for t in times}) != 1:
+            return None
+        return statistics.median(max(t[i] for t in times) for i in range(len(times[0])))
+    restores = [rec.get("restore_s") for rec in recs]
+    return max(restores) if restores and all(r is not None for r in restores) else None
+
+
+def summarize_targets(launch: Launch, steps: int) -> dict[str, Any]:
+    """The busiest object key and the busiest prefix (:func:`_hottest`: per save in the save phase, a name outside
+    the step folders spread over every save) with their kind and reads and writes, the requests on the root
+    listing's prefix, the phase's window (:func:`phase_window_s`) and the busiest prefix's requests per second over
+    it (JSON-able)."""
+    c = launch.counts
+    per = steps if launch.phase == "save" else 1
+    out: dict[str, Any] = {"busiest_key": None, "busiest_key_requests": None, "busiest_prefix": None,
+                           "busiest_prefix_requests": None, "busiest_prefix_reads": None,
+                           "busiest_prefix_writes": None}
+    hot_key = _hottest(c.keys, launch.phase, steps)
+    if hot_key is not None:
+        out["busiest_key"] = _target(*hot_key)
+        out["busiest_key_requests"] = out["busiest_key"]["requests"]
+    hot_prefix = _hottest(c.prefixes, launch.phase, steps)
+    if hot_prefix is not None:
+        hot = out["busiest_prefix"] = _target(*hot_prefix)
+        out.update(busiest_prefix_requests=hot["requests"], busiest_prefix_reads=hot["reads"],
+                   busiest_prefix_writes=hot["writes"])
+    root = root_prefix(launch.remote)
+    out["root_prefix"] = _target(root, c.prefixes.get(root, TargetTally()), per)
+    out["root_prefix_requests"] = out["root_prefix"]["requests"]
+    window = phase_window_s(launch)
+    out["window_s"] = window
+    out["busiest_prefix_rate_per_s"] = (out["busiest_prefix_requests"] / window
+                                        if window and out["busiest_prefix_requests"] is not None else None)
+    return out
 
 
 def summarize_launch(launch: Launch, steps: int) -> dict[str, Any]:
-    """The numbers reported for one phase of one world size (JSON-able)."""
+    """The numbers reported for one phase of one world size (JSON-able): requests by kind and rank, bytes, the
+    ranks' local-tier calls (:func:`summarize_local_ops`), the busiest key and prefix (:func:`summarize_targets`)
+    and the bytes each rank read through GETs (``read_bytes_*``: manifests, data, listings)."""
     c, w = launch.counts, launch.world
     by_rank = c.by_rank()
     ranked = {r: n for r, n in by_rank.items() if r != UNTAGGED}
@@ -452,11 +666,36 @@ def summarize_launch(launch: Launch, steps: int) -> dict[str, Any]:
         "untagged": by_rank.get(UNTAGGED, 0),
         "manifest_get_bytes_per_rank": c.bytes_out(kinds=MANIFEST_GETS) / per / w,
         "list_bytes": c.bytes_out(kinds=["GET list"]) / per,
+        **_read_bytes(c, w, per),
+        **_local_fields(summarize_local_ops(launch.records, w, per)),
+        **summarize_targets(launch, steps),
         "by_kind": {k: {"n": t.n, "errors": t.errors, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out}
                     for k, t in c.by_kind().items()},
         "by_rank": {str(r): n for r, n in by_rank.items()},
         **({"trace": [list(t) for t in c.trace]} if c.trace else {}),
     }
+
+
+def _read_bytes(c: Counts, w: int, per: float) -> dict[str, Any]:
+    """The response bytes of each rank's GETs (:meth:`Counts.get_bytes`) per save or restart: all of them as mean,
+    rank 0's and the busiest other rank's (``read_bytes_per_rank``, ``read_bytes_rank0``,
+    ``read_bytes_max_other_rank``), and the mean by what was read (``read_bytes_by_what``)."""
+    ranks = [c.get_bytes(r) for r in range(w)]
+    spread = _spread([sum(b.values()) for b in ranks], w, per)
+    return {"read_bytes_per_rank": spread["per_rank"], "read_bytes_rank0": spread["rank0"],
+            "read_bytes_max_other_rank": spread["max_other_rank"],
+            "read_bytes_by_what": {k: sum(b[k] for b in ranks) / w / per for k in ranks[0]}}
+
+
+def _local_fields(ops: dict[str, Any]) -> dict[str, Any]:
+    """:func:`summarize_local_ops` under ``local_ops``, and its totals flat (the fitted fields): ``local_ops_*``
+    (every category's calls) and ``local_read_bytes_*``, each per rank (mean), rank 0 and busiest other rank."""
+    if not ops:
+        return {}
+    out: dict[str, Any] = {"local_ops": ops}
+    for name, spread in (("local_ops", ops["all"]), ("local_read_bytes", ops["read_bytes"])):
+        out.update({f"{name}_{k}": v for k, v in spread.items()})
+    return out
 
 
 def _least_squares(pts: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -530,15 +769,32 @@ FITTED = [
     ("restart-wiped: manifest GET bytes per rank", "restart-wiped", "manifest_get_bytes_per_rank"),
     ("restart-wiped: LIST response bytes", "restart-wiped", "list_bytes"),
 ]
+#: the busiest key and prefix, the local tier's calls and the bytes read, for each phase (same form as above)
+FITTED += [(f"{phase}: {what}{' per save' if phase == 'save' else ''}{' (mean)' if key.endswith('per_rank') else ''}",
+            phase, key)
+           for phase in PHASES
+           for what, key in (("busiest key requests", "busiest_key_requests"),
+                             ("busiest prefix requests", "busiest_prefix_requests"),
+                             ("root listing prefix requests", "root_prefix_requests"),
+                             ("local ops per rank", "local_ops_per_rank"),
+                             ("local ops, rank 0", "local_ops_rank0"),
+                             ("local ops, busiest other rank", "local_ops_max_other_rank"),
+                             ("local bytes read per rank", "local_read_bytes_per_rank"),
+                             ("local bytes read, rank 0", "local_read_bytes_rank0"),
+                             ("local bytes read, busiest other rank", "local_read_bytes_max_other_rank"),
+                             ("S3 bytes read per rank", "read_bytes_per_rank"),
+                             ("S3 bytes read, rank 0", "read_bytes_rank0"),
+                             ("S3 bytes read, busiest other rank", "read_bytes_max_other_rank"))]
 
 
 def fit_all(summary: dict[int, dict[str, dict[str, Any]]], steps: int) -> list[dict[str, Any]]:
-    """Growth fits of :data:`FITTED` and of every kind's count (per save in the save phase), over the worlds."""
+    """Growth fits of :data:`FITTED`, of every kind's count (per save in the save phase) and of every local-tier
+    call category's mean per rank, over the worlds; a field that no world has is left out."""
     worlds = sorted(summary)
     rows = []
     for label, phase, key in FITTED:
-        values = {w: summary[w][phase][key] for w in worlds if phase in summary[w]}
-        if values:
+        values = {w: summary[w][phase].get(key) for w in worlds if phase in summary[w]}
+        if any(v is not None for v in values.values()):
             rows.append({"metric": label, "values": values, **fit_growth(values)})
     for phase in PHASES:
         kinds = sorted({k for w in worlds if phase in summary[w] for k in summary[w][phase]["by_kind"]})
@@ -548,7 +804,41 @@ def fit_all(summary: dict[int, dict[str, dict[str, Any]]], steps: int) -> list[d
                       for w in worlds if phase in summary[w]}
             what = "per save" if phase == "save" else "total"
             rows.append({"metric": f"{phase}: {kind} ({what})", "values": values, **fit_growth(values)})
+    for phase in PHASES:
+        local = {w: summary[w][phase]["local_ops"]["categories"] for w in worlds
+                 if phase in summary[w] and summary[w][phase].get("local_ops")}
+        for cat in next(iter(local.values()), {}):
+            values = {w: c[cat]["per_rank"] for w, c in local.items()}
+            what = "per rank per save" if phase == "save" else "per rank"
+            rows.append({"metric": f"{phase}: local {cat} {what} (mean)", "values": values, **fit_growth(values)})
     return rows
+
+
+def busiest_prefix_at_scale(summary: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """For each phase and W in :data:`EXTRAPOLATE_TO`: the requests per save (per restart) on the busiest prefix,
+    its reads and its writes, each from the better linear model of :func:`fit_growth` over the measured W, and the
+    rates they make if they are spread over the phase's window (:func:`phase_window_s`) measured at the largest W
+    (``window_s``, ``at_w``): the assumption that a save's upload phase at that scale takes the time it took here."""
+    worlds = sorted(summary)
+    out = []
+    for phase in PHASES:
+        have = [w for w in worlds
+                if phase in summary[w] and summary[w][phase].get("busiest_prefix_requests") is not None]
+        if not have:
+            continue
+        window = summary[have[-1]][phase].get("window_s")
+        fitted = {key: fit_growth({w: summary[w][phase][key] for w in have})
+                  for key in ("busiest_prefix_requests", "busiest_prefix_reads", "busiest_prefix_writes")}
+        for n in EXTRAPOLATE_TO:
+            row: dict[str, Any] = {"phase": phase, "world": n, "window_s": window, "at_w": have[-1]}
+            for key, f in fitted.items():
+                v = f["linear"].get(str(n))
+                name = key.removeprefix("busiest_prefix_")
+                row[name] = v
+                row[f"{name}_per_s"] = v / window if v is not None and window else None
+            row["model"] = fitted["busiest_prefix_requests"]["model"]
+            out.append(row)
+    return out
 
 
 def _num(v: float | None) -> str:
@@ -559,8 +849,123 @@ def _num(v: float | None) -> str:
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
 
+def _size(v: float | None) -> str:
+    """A byte count in decimal units (k = 1,000, M = 1,000,000)."""
+    if v is None:
+        return "-"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g}{unit}"
+    return _num(v)
+
+
+def _trio(spread: dict[str, Any] | None, fmt: Callable[[float | None], str] = _num) -> str:
+    """A :func:`_spread` as "mean / rank 0 / busiest other rank"."""
+    if not spread:
+        return ""
+    return " / ".join(fmt(spread.get(k)) for k in ("per_rank", "rank0", "max_other_rank"))
+
+
+def _table(first: str, worlds: list[int], rows: list[tuple[str, list[str]]]) -> list[str]:
+    """A markdown table: a first column of labels, then one column per W."""
+    heads = [f"W={w}" for w in worlds]
+    wl = max([len(first)] + [len(label) for label, _ in rows])
+    wc = [max([len(h)] + [len(cells[i]) for _, cells in rows]) for i, h in enumerate(heads)]
+    out = [f"| {first:<{wl}} | " + " | ".join(f"{h:>{n}}" for h, n in zip(heads, wc)) + " |",
+           f"|{'-' * (wl + 2)}|" + "|".join("-" * (n + 2) for n in wc) + "|"]
+    out += [f"| {label:<{wl}} | " + " | ".join(f"{c:>{n}}" for c, n in zip(cells, wc)) + " |" for label, cells in rows]
+    return out
+
+
+def _per_rank_rows(s: dict[str, Any]) -> dict[str, str]:
+    """The cells of one phase of one W in the per-rank table (label -> cell)."""
+    ops = s.get("local_ops") or {}
+    cells = {f"local {cat}": _trio(spread) for cat, spread in ops.get("categories", {}).items()}
+    if ops:
+        cells["local: all calls"] = _trio(ops["all"])
+        cells["local: opens that may create (mean)"] = _num(ops["creates"])
+        cells["local: bytes read"] = _trio(ops["read_bytes"], _size)
+        off = [f"{c} {a['wrapped']}!={a['audited']}" for c, a in ops["audit"].items() if a["wrapped"] != a["audited"]]
+        cells["local: audit events = wrapped calls"] = ", ".join(off) if off else "yes"
+    if s.get("read_bytes_per_rank") is not None:
+        cells["S3 bytes read"] = _trio({k: s[f"read_bytes_{k}"] for k in ("per_rank", "rank0", "max_other_rank")},
+                                       _size)
+        for what, v in s.get("read_bytes_by_what", {}).items():
+            cells[f"S3 bytes read: {what} (mean)"] = _size(v)
+    return cells
+
+
+def _target_rows(s: dict[str, Any]) -> dict[str, str]:
+    """The cells of one phase of one W in the busiest key and prefix table (label -> cell)."""
+    cells: dict[str, str] = {}
+    key, prefix, root = s.get("busiest_key"), s.get("busiest_prefix"), s.get("root_prefix")
+    if key:
+        cells["busiest key: requests"] = _num(key["requests"])
+        cells["busiest key: kind"] = key["kind"]
+        cells["busiest key: reads / writes"] = f"{_num(key['reads'])} / {_num(key['writes'])}"
+    if prefix:
+        cells["busiest prefix: requests"] = _num(prefix["requests"])
+        name = prefix["name"]
+        if in_step_folder(name):
+            which = "step folder"
+        elif root and name == root["name"]:
+            which = "root listing"
+        else:
+            which = name or "bucket"
+        cells["busiest prefix: which"] = which
+        cells["busiest prefix: reads / writes"] = f"{_num(prefix['reads'])} / {_num(prefix['writes'])}"
+    if root:
+        cells["root listing prefix: requests"] = _num(root["requests"])
+    if "window_s" in s:
+        cells["window s"] = _num(s["window_s"])
+        cells["busiest prefix: requests / s"] = _num(s["busiest_prefix_rate_per_s"])
+    return cells
+
+
+def _by_phase(summary: dict[int, dict[str, dict[str, Any]]], steps: int, title: str,
+              cells_of: Callable[[dict[str, Any]], dict[str, str]]) -> list[str]:
+    """One table per phase of ``cells_of``'s rows over the W (rows in first-seen order; none: no table)."""
+    worlds = sorted(summary)
+    lines: list[str] = []
+    for phase in PHASES:
+        cells = {w: cells_of(summary[w][phase]) for w in worlds if phase in summary[w]}
+        labels = list(dict.fromkeys(label for c in cells.values() for label in c))
+        if not labels:
+            continue
+        per = f"per save (total / {steps})" if phase == "save" else "per restart"
+        lines += ["", f"### {phase}: {title}, {per}", ""]
+        lines += _table("what", worlds, [(label, [cells.get(w, {}).get(label, "") for w in worlds])
+                                         for label in labels])
+    return lines
+
+
+def render_scale(rows: list[dict[str, Any]]) -> list[str]:
+    """The busiest prefix at :data:`EXTRAPOLATE_TO` (:func:`busiest_prefix_at_scale`) as a table, with its
+    assumption."""
+    if not rows:
+        return []
+    out = ["", "### busiest prefix at scale", "",
+           "Requests per save (per restart) on the busiest prefix from the better linear fit (a + b*W or a/W + b) over "
+           "the measured W; rates assume that these requests arrive spread evenly over the phase's window measured at "
+           "the largest W run (save: the median over saves of the slowest rank's time from save() until durable and "
+           "committed on every tier; restart: the slowest rank's restore), i.e. that a save's upload phase at that "
+           f"scale takes the measured time. S3 documents {S3_PREFIX_WRITES_PER_S:,} writes (PUT, COPY, POST, DELETE) "
+           f"and {S3_PREFIX_READS_PER_S:,} reads (GET, HEAD) a second per prefix.", ""]
+    table = [("phase", "W", "model", "requests", "reads", "writes", "window s", "at W", "req/s", "reads/s",
+              "writes/s")]
+    table += [(r["phase"], str(r["world"]), r["model"] or "-", _num(r["requests"]), _num(r["reads"]),
+               _num(r["writes"]), _num(r["window_s"]), str(r["at_w"]), _num(r["requests_per_s"]),
+               _num(r["reads_per_s"]), _num(r["writes_per_s"])) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    out.append("| " + " | ".join(f"{c:<{n}}" for c, n in zip(table[0], widths)) + " |")
+    out.append("|" + "|".join("-" * (n + 2) for n in widths) + "|")
+    out += ["| " + " | ".join(f"{c:>{n}}" for c, n in zip(row, widths)) + " |" for row in table[1:]]
+    return out
+
+
 def render(summary: dict[int, dict[str, dict[str, Any]]], fits: list[dict[str, Any]], steps: int) -> str:
-    """The tables printed to stdout: each phase's counts by kind for every W, then the fitted growth laws."""
+    """The tables printed to stdout: each phase's counts by kind for every W; each rank's local-tier calls and
+    bytes read; the busiest key and prefix, and the busiest prefix at scale; then the fitted growth laws."""
     worlds = sorted(summary)
     lines: list[str] = []
     head = " | ".join(f"W={w:>5}" for w in worlds)
@@ -590,21 +995,42 @@ def render(summary: dict[int, dict[str, dict[str, Any]]], fits: list[dict[str, A
         for label, fn in cells:
             row = " | ".join(f"{_num(fn(summary[w][phase])) if phase in summary[w] else '':>7}" for w in worlds)
             lines.append(f"| {label:<34} | {row} |")
+    per_rank = _by_phase(summary, steps, "per rank", _per_rank_rows)
+    if per_rank:
+        lines += ["", "## per rank: local-tier calls, bytes read", "",
+                  "Local: counted inside each rank on its own local folder, the calls of the os functions (and open) "
+                  "on paths there or on descriptors of files there, failed ones included: open (os.open, open), fsync "
+                  "(fsync, fdatasync), rename (rename, replace, renameat2), mkdir, unlink (unlink, remove, rmdir), "
+                  "listdir (listdir, scandir), stat (stat, lstat, fstat; os.path.exists and the like call stat); "
+                  "bytes read: through os reads and open() there. S3: the response bodies of the rank's GETs. Each "
+                  "cell with three numbers: the mean over ranks / rank 0 / the busiest other rank (of that row). "
+                  "k = 1,000 bytes, M = 1,000,000.", *per_rank]
+    targets = _by_phase(summary, steps, "busiest key and prefix", _target_rows)
+    if targets:
+        lines += ["", "## busiest object key and prefix", "",
+                  "A request counts against its object key and the key's prefix: the key up to and including its "
+                  "step folder (run/step-0000000003/); a listing against its prefix parameter's (the root listing: "
+                  "run/); a multi-object delete against each key it names. In the save phase a key or prefix in a "
+                  "step folder belongs to that step's save, one outside (the root listing) is spread over the saves. "
+                  "Window: the seconds the rate is taken over (save: the median over saves of the slowest rank's "
+                  "time from save() until durable and committed on every tier; restart: the slowest rank's "
+                  "restore).", *targets, *render_scale(busiest_prefix_at_scale(summary))]
     n1, n2 = EXTRAPOLATE_TO
+    wm = max([46] + [len(f["metric"]) for f in fits])
     lines += ["", "## growth with W", "",
               "Fitted over W >= 2 (W = 1 runs the single-process protocol) when there are two such W. e: exponent "
               "of count ~ c*W^e (least squares over the W with count > 0); e tail: between the two largest W; "
               "pow@N: that power law at W = N. model: the better least-squares fit of a + b*W and a/W + b; "
               "lin@N: that model at W = N.", "",
-              f"| {'metric':<46} | {'e':>5} | {'e tail':>6} | {'pow@' + str(n1):>9} | {'pow@' + str(n2):>9} | "
+              f"| {'metric':<{wm}} | {'e':>5} | {'e tail':>6} | {'pow@' + str(n1):>9} | {'pow@' + str(n2):>9} | "
               f"{'model':<7} | {'a':>8} | {'b':>7} | {'lin@' + str(n1):>9} | {'lin@' + str(n2):>9} |",
-              "|" + "|".join("-" * (n + 2) for n in (46, 5, 6, 9, 9, 7, 8, 7, 9, 9)) + "|"]
+              "|" + "|".join("-" * (n + 2) for n in (wm, 5, 6, 9, 9, 7, 8, 7, 9, 9)) + "|"]
     for f in fits:
         e, tail = ("-" if v is None else f"{v:+.2f}" for v in (f["exponent"], f["exponent_tail"]))
         p = [_num(f["power"].get(str(n))) for n in EXTRAPOLATE_TO]
         lin = [_num(f["linear"].get(str(n))) for n in EXTRAPOLATE_TO]
         a, b = ("-" if v is None else f"{v:.3g}" for v in (f["a"], f["b"]))
-        lines.append(f"| {f['metric'][:46]:<46} | {e:>5} | {tail:>6} | {p[0]:>9} | {p[1]:>9} | "
+        lines.append(f"| {f['metric']:<{wm}} | {e:>5} | {tail:>6} | {p[0]:>9} | {p[1]:>9} | "
                      f"{f['model'] or '-':<7} | {a:>8} | {b:>7} | {lin[0]:>9} | {lin[1]:>9} |")
     return "\n".join(lines)
 
@@ -631,7 +1057,7 @@ def run(worlds: Iterable[int], *, steps: int = 3, numel: int = 512 * 1024, scrat
     fits = fit_all(summary, steps)
     return {"kind": "requests", "ranks": worlds, "steps": steps, "numel": numel,
             "state_bytes_per_rank": 4 * numel, "summary": {str(w): s for w, s in summary.items()}, "fits": fits,
-            "table": render(summary, fits, steps)}
+            "busiest_prefix_at_scale": busiest_prefix_at_scale(summary), "table": render(summary, fits, steps)}
 
 
 def main(argv: list[str] | None = None) -> int:

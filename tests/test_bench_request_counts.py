@@ -1,9 +1,13 @@
-"""benchmarks/request_counts.py: the counting S3 server counts what a client really sends, and a 1- and 2-rank job's
-requests per save and per restart come out as the protocol says (exact where it is deterministic)."""
+"""benchmarks/request_counts.py: the counting S3 server counts what a client really sends, by operation, key and
+prefix; the ranks' local-tier call counter counts what a known sequence of calls makes; and a 1-, 2- and 8-rank job's
+requests, local calls and bytes read per save and per restart come out as the protocol says (exact where it is
+deterministic, within a constant of each other across W where the protocol promises O(1) per rank)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,17 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2
 
 
-def _load() -> ModuleType:
-    """benchmarks/request_counts.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_request_counts", ROOT / "benchmarks" / "request_counts.py")
+def _load(name: str = "bench_request_counts", file: str = "request_counts.py") -> ModuleType:
+    """A file of benchmarks/ as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_request_counts"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
 bench = _load()
+rank_script = _load("bench_request_counts_rank", "_request_counts_rank.py")
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +216,216 @@ def test_growth_fit_recovers_known_laws() -> None:
     skipped = fit({1: 0, 2: 4, 4: 16})
     assert skipped["exponent"] == pytest.approx(2.0)
     assert fit({1: None, 2: 7})["exponent"] is None
+
+
+def test_prefixes_are_the_step_folder_or_the_listing() -> None:
+    assert bench.key_prefix("run/step-0000000003/r00001-p0000-0a1b2c3d.safetensors") == "run/step-0000000003/"
+    assert bench.key_prefix("run/step-0000000003") == "run/step-0000000003/"  # the folder's own name
+    assert bench.key_prefix("a/b/step-0000000012/manifest.json") == "a/b/step-0000000012/"
+    assert bench.key_prefix("run/other.json") == "run/"
+    assert bench.key_prefix("top.json") == ""
+    assert bench.list_prefix("run/") == bench.list_prefix("run") == "run/"
+    step = "run/step-0000000003/"
+    assert bench.list_prefix(step) == bench.list_prefix(step.rstrip("/")) == step
+    assert bench.list_prefix("") == ""
+    assert bench.root_prefix("s3://bucket/w00008-abc") == "w00008-abc/"
+    assert bench.in_step_folder("run/step-0000000003/") and not bench.in_step_folder("run/")
+
+
+def test_the_server_counts_each_key_and_prefix(server: Any) -> None:
+    """A known sequence of requests is counted exactly by object key (with its kind) and by prefix, reads and writes
+    apart: a listing counts against its prefix, a multi-object delete against each key it names and each of their
+    prefixes once."""
+    boto3 = pytest.importorskip("boto3")
+    opts = server.storage_options()
+    s3 = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id=opts["key"],
+                      aws_secret_access_key=opts["secret"], region_name="us-east-1")
+    b, step = server.bucket, "keys/step-0000000004"
+    manifest, data, loose = f"{step}/manifest.json", f"{step}/r00000-p0000-0a1b2c3d.safetensors", "keys/loose.json"
+    server.counter.take()
+    for key in (manifest, data, loose):
+        s3.put_object(Bucket=b, Key=key, Body=b"x" * 10)
+    s3.get_object(Bucket=b, Key=manifest)["Body"].read()
+    s3.head_object(Bucket=b, Key=manifest)
+    s3.list_objects_v2(Bucket=b, Prefix="keys/", Delimiter="/")
+    s3.list_objects_v2(Bucket=b, Prefix=f"{step}/")
+    s3.delete_objects(Bucket=b, Delete={"Objects": [{"Key": data}, {"Key": loose}]})
+    got = server.counter.take()
+    keys = {k: (t.kind, t.n, t.reads, t.writes) for k, t in got.keys.items()}
+    assert keys == {manifest: ("step-manifest", 3, 2, 1), data: ("data", 2, 0, 2),
+                    loose: ("other-object", 2, 0, 2)}, got.trace
+    prefixes = {k: (t.n, t.reads, t.writes) for k, t in got.prefixes.items()}
+    # step folder: 2 PUTs, GET, HEAD, its listing, the delete; keys/: 1 PUT, the root listing, the delete
+    assert prefixes == {f"{step}/": (6, 3, 3), "keys/": (3, 1, 2)}, got.trace
+    assert got.total() == 8
+
+
+def test_local_calls_are_counted_exactly_on_a_known_sequence(tmp_path: Path) -> None:
+    """The rank's counter of local-tier calls counts a known sequence of calls exactly, by function, failed calls
+    and bytes read included, nothing outside its folder, and the audit events of the same calls agree; afterwards
+    the os functions are the originals again."""
+    root, out = tmp_path / "node00000", tmp_path / "elsewhere"
+    out.mkdir()
+    originals = (os.stat, os.open, os.fsync, open)
+    ops = rank_script.LocalOps(root)
+    with ops.counting():
+        os.mkdir(root)
+        os.mkdir(root / "d")
+        fd = os.open(root / "d" / "a", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"hello")
+        os.fsync(fd)
+        os.fdatasync(fd)
+        os.close(fd)
+        with open(root / "d" / "b", "wb") as f:
+            f.write(b"12345678")
+        with open(root / "d" / "b", "rb") as f:
+            assert f.read() == b"12345678"
+            assert os.fstat(f.fileno()).st_size == 8
+        fd = os.open(root / "d" / "a", os.O_RDONLY)
+        assert os.pread(fd, 100, 0) == b"hello"
+        os.fstat(fd)
+        os.close(fd)
+        os.rename(root / "d" / "a", root / "d" / "c")
+        os.replace(root / "d" / "c", root / "e")
+        os.stat(root / "e")
+        os.lstat(root / "e")
+        assert not os.path.exists(root / "missing")  # os.stat, failing
+        assert os.path.isdir(root / "d")  # os.stat
+        assert os.listdir(root / "d") == ["b"]
+        with os.scandir(root) as it:
+            assert sorted(e.name for e in it) == ["d", "e"]
+        os.unlink(root / "e")
+        os.remove(root / "d" / "b")
+        os.rmdir(root / "d")
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        # the same kinds of call outside the folder: not counted
+        os.mkdir(out / "x")
+        with open(out / "f", "wb") as f:
+            f.write(b"abc")
+            os.fsync(f.fileno())
+        with open(out / "f", "rb") as f:
+            f.read()
+        os.stat(out / "f")
+        os.listdir(out)
+        os.rename(out / "f", out / "g")
+        os.unlink(out / "g")
+        os.rmdir(out / "x")
+    assert (os.stat, os.open, os.fsync, open) == originals
+    got = ops.snapshot()
+    assert got["calls"] == {"open": 2, "os.fdatasync": 1, "os.fstat": 2, "os.fsync": 2, "os.listdir": 1,
+                            "os.lstat": 1, "os.mkdir": 2, "os.open": 3, "os.remove": 1, "os.rename": 1,
+                            "os.replace": 1, "os.rmdir": 1, "os.scandir": 1, "os.stat": 3, "os.unlink": 1}, got
+    assert got["failed"] == {"os.stat": 1}
+    assert got["categories"] == {"open": 5, "fsync": 3, "rename": 2, "mkdir": 2, "unlink": 3, "listdir": 2,
+                                 "stat": 6}
+    assert got["creates"] == 2 and got["read_bytes"] == 8 + 5
+    assert got["audit"] == got["audit_wrapped"] == {"open": 5, "rename": 2, "mkdir": 2, "unlink": 3, "listdir": 2}
+
+
+def test_local_calls_of_shutil_rmtree_are_one_per_file_and_folder(tmp_path: Path) -> None:
+    """``shutil.rmtree`` reaches the wrappers through descriptor-relative calls: removing a tree of F files in D
+    folders counts F unlinks and D rmdirs, whatever route shutil takes."""
+    root = tmp_path / "node00001"
+    (root / "t" / "u" / "v").mkdir(parents=True)
+    for i, folder in enumerate(("t", "t/u", "t/u", "t/u/v")):
+        (root / folder / f"f{i}").write_bytes(b"x")
+    files = sum(len(names) for _, _, names in os.walk(root / "t"))
+    folders = 1 + sum(len(dirs) for _, dirs, _ in os.walk(root / "t"))
+    ops = rank_script.LocalOps(root)
+    with ops.counting():
+        shutil.rmtree(root / "t")
+    got = ops.snapshot()
+    assert (files, folders) == (4, 3)
+    assert got["calls"].get("os.unlink", 0) + got["calls"].get("os.remove", 0) == files, got
+    assert got["calls"]["os.rmdir"] == folders, got
+    assert not (root / "t").exists()
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_the_ranks_local_calls_are_all_seen(runs: dict[int, Any], world: int) -> None:
+    """Every rank of every phase counted its local-tier calls, and for each category that CPython audits the
+    wrapped calls equal the audit events: no call of tierckpt's on its local folder went around the wrappers. A
+    save opens, fsyncs and renames there; a restart with the local folders intact creates, renames, removes and
+    fsyncs nothing there."""
+    for phase, s in runs[world].items():
+        ops = s["local_ops"]
+        assert {c: a["wrapped"] for c, a in ops["audit"].items()} == {c: a["audited"] for c, a in
+                                                                       ops["audit"].items()}, (phase, ops["audit"])
+    save, restart = runs[world]["save"]["local_ops"]["categories"], runs[world]["restart"]["local_ops"]
+    for cat in ("open", "fsync", "rename", "mkdir"):
+        assert save[cat]["per_rank"] > 0 and save[cat]["rank0"] > 0, (cat, save)
+    for cat in ("fsync", "rename", "unlink"):
+        assert restart["categories"][cat]["per_rank"] == 0, (cat, restart)
+    assert restart["by_call"]["os.open"] + restart["by_call"]["open"] > 0
+    # the only open that may create at a restart is the folder's lock file, on every rank
+    assert restart["creates"] == 1, restart
+
+
+def test_eight_ranks_make_the_local_calls_two_ranks_make(runs: dict[int, Any]) -> None:
+    """O(1) local-tier calls per rank per save and per restart: at 8 ranks the mean, rank 0's and the busiest other
+    rank's calls stay within a constant of those at 2 ranks, in all and in each category (an O(W) term per rank
+    would add 6 or more)."""
+    report = {w: {p: (s["local_ops_per_rank"], s["local_ops_rank0"], s["local_ops_max_other_rank"])
+                  for p, s in runs[w].items()} for w in (2, 8)}
+    print("local calls per rank, rank 0, busiest other rank:", report)
+    for phase in ("save", "restart", "restart-wiped"):
+        two, eight = runs[2][phase], runs[8][phase]
+        for field in ("local_ops_per_rank", "local_ops_rank0", "local_ops_max_other_rank"):
+            assert eight[field] <= two[field] + 3, (phase, field, report)
+        for cat, spread in eight["local_ops"]["categories"].items():
+            for field, v in spread.items():
+                assert v <= two["local_ops"]["categories"][cat][field] + 1.5, (phase, cat, field, report)
+
+
+def test_the_busiest_key_costs_the_same_per_save_whatever_w(runs: dict[int, Any]) -> None:
+    """The busiest single object key is rank 0's step manifest.json, with the same requests per save at 8 ranks as
+    at 2, and so is the root listing's prefix; the busiest prefix of a save is its step folder, which every rank
+    writes to: at least a PUT and a HEAD of its data file and of its rank manifest per rank."""
+    for phase in ("save", "restart", "restart-wiped"):
+        two, eight = runs[2][phase], runs[8][phase]
+        assert eight["busiest_key_requests"] == two["busiest_key_requests"], (phase, two["busiest_key"],
+                                                                              eight["busiest_key"])
+        assert eight["root_prefix_requests"] == two["root_prefix_requests"], phase
+    for world in (2, 8):
+        save = runs[world]["save"]
+        assert save["busiest_key"]["kind"] == "step-manifest", save["busiest_key"]
+        assert bench.in_step_folder(save["busiest_prefix"]["name"]), save["busiest_prefix"]
+        assert save["busiest_prefix_requests"] >= 4 * world, save["busiest_prefix"]
+        assert save["busiest_prefix"]["writes"] >= 2 * world
+        assert save["window_s"] > 0
+        assert save["busiest_prefix_rate_per_s"] == pytest.approx(save["busiest_prefix_requests"] / save["window_s"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_each_rank_reads_its_state_once_at_a_restart(runs: dict[int, Any], world: int) -> None:
+    """The bytes each rank reads at a restart: with the local folders intact, its data from the local tier and
+    none from S3; with them wiped, its data from S3 (one data file of the state's bytes plus a header) and nothing
+    from the local tier; at least the state's bytes and less than one more read chunk of them either way."""
+    state = 4 * 64 * 1024
+    restart, wiped = runs[world]["restart"], runs[world]["restart-wiped"]
+    assert restart["read_bytes_by_what"]["data"] == 0
+    assert wiped["local_read_bytes_per_rank"] == wiped["local_read_bytes_rank0"] == 0
+    for spread in ((restart["local_read_bytes_per_rank"], restart["local_read_bytes_rank0"],
+                    restart["local_read_bytes_max_other_rank"]),
+                   (wiped["read_bytes_per_rank"], wiped["read_bytes_rank0"], wiped["read_bytes_max_other_rank"])):
+        for v in spread:
+            assert v is None or state <= v < state + 64 * 1024, (world, spread)
+    # one data file a rank: the state's bytes after a header that tierckpt pads to 4 KiB
+    assert wiped["read_bytes_by_what"]["data"] == state + 4096, wiped["read_bytes_by_what"]
+
+
+def test_busiest_prefix_at_scale_spreads_the_fitted_requests_over_the_measured_window() -> None:
+    """The extrapolated busiest prefix: its fitted requests per save at 1,024 and 8,192 ranks over the window of
+    the largest W measured."""
+    summary = {w: {"save": {"busiest_prefix_requests": 3 + 4 * w, "busiest_prefix_reads": 1 + w,
+                            "busiest_prefix_writes": 2 + 3 * w, "window_s": 0.5 * w}} for w in (2, 4, 8)}
+    rows = bench.busiest_prefix_at_scale(summary)
+    assert [(r["phase"], r["world"], r["at_w"], r["window_s"]) for r in rows] == [("save", 1024, 8, 4.0),
+                                                                                   ("save", 8192, 8, 4.0)]
+    assert rows[0]["requests"] == pytest.approx(3 + 4 * 1024)
+    assert rows[1]["writes_per_s"] == pytest.approx((2 + 3 * 8192) / 4.0)
+    assert rows[0]["reads_per_s"] == pytest.approx((1 + 1024) / 4.0)
+    text = "\n".join(bench.render_scale(rows))
+    assert "3,500 writes" in text and "4099" in text
