@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -480,3 +481,72 @@ def test_twin_rank1_never_uploads_remote_commit_times_out_naming_it(tmp_path: Pa
     assert list_root(mgr.local).steps.keys() == {1}  # the local copy is kept
     assert any(n.startswith("r00000-") for n in mgr.remote.list("step-0000000001"))
     mgr.close()
+
+
+# ------------------------------------------------------------------------------------------------ remote throttling
+class _Throttle:
+    """WSGI middleware in front of moto: answers 503 SlowDown (as S3 does past its per-prefix rates) to the first
+    ``n`` requests of each kind that rank 0's remote commit sends (the listing of ``step-N/`` and the PUT of its
+    ``manifest.json``), then lets them through."""
+
+    BODY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+
+    def __init__(self, app: Any, n: int) -> None:
+        self.app, self.n = app, n
+        self.throttled: dict[str, int] = {"list": 0, "put-manifest": 0}
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        method, path, query = environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", "")
+        kind = ("list" if method == "GET" and "prefix=run%2Fstep-" in query
+                else "put-manifest" if method == "PUT" and path.endswith("/manifest.json") else None)
+        if kind is not None and self.throttled[kind] < self.n:
+            self.throttled[kind] += 1
+            start_response("503 Slow Down", [("Content-Type", "application/xml"),
+                                             ("Content-Length", str(len(self.BODY)))])
+            return [self.BODY]
+        return self.app(environ, start_response)
+
+
+class _ReportingChannel(_LeaderChannel):
+    """Rank 0's channel of a twin whose rank 1 uploaded its shard: its report is there at once."""
+
+    def __init__(self, coord: FakeCoordinator, report: Callable[[str], dict[str, Any]]) -> None:
+        super().__init__(coord)
+        self.report = report
+
+    def fetch(self, names: list[str], timeout_s: float | None, *, readers: int) -> dict[str, Any]:
+        return {n: self.report(n) for n in names if n.endswith("/r1")}
+
+
+def test_throttling_during_the_remote_commit_is_retried(tmp_path: Path, s3_server: Any) -> None:
+    import s3fs
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    from tierckpt.storage.open import open_store
+
+    app = _Throttle(DomainDispatcherApplication(create_backend_app), n=2)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        opts = dict(s3_server.storage_options(), client_kwargs={"endpoint_url": endpoint})
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **opts)
+        fs.mkdir("throttled")
+        sid = _sharded.save_id("single-process-twin", 1)
+        rank1 = layout.rank_manifest_name(1, sid)
+        fs.pipe(f"throttled/run/{layout.step_dir(1)}/{rank1}", b"x" * 123)  # rank 1's shard, uploaded already
+        mgr, coord = twin_manager(tmp_path / "n0", ok_peer(), upload_deadline_s=60, remote_timeout_s=60)
+        mgr.remote = open_store("s3://throttled/run", storage_options=opts, tier="remote")
+        coord.upload_channel = lambda: _ReportingChannel(coord, lambda n: {"ref": [1, rank1, 123, "0" * 32]})
+        mgr._start_replication([])
+        h = mgr.save(1, state_at(1))
+        mgr.wait()
+        assert h.uploaded.exception() is None
+        assert app.throttled == {"list": 2, "put-manifest": 2}  # each answered SlowDown twice, then went through
+        committed = StepManifest.from_bytes(fs.cat(f"throttled/run/{layout.step_dir(1)}/manifest.json"), step=1)
+        assert [r.rank for r in committed.ranks] == [0, 1] and committed.save_id == sid
+        mgr.close()
+    finally:
+        server.shutdown()
