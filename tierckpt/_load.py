@@ -46,15 +46,8 @@ from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.readahead import ReadAhead
 from .tiers.listing import TierListings, first_intact
-from .tiers.reader import (
-    MAX_IOV,
-    READ_CHUNK,
-    check_sizes,
-    ends_early_error,
-    read_file_into,
-    read_ranks,
-    read_step,
-)
+from .tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
+from .tiers.stream import ends_early_error
 from .tiers.tasks import run_all
 
 log = logging.getLogger(__name__)

@@ -10,18 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TypeVar
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, StorageError
-from ..format import hashing, layout
+from ..format import layout
 from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.failures import with_deadline
-from ..storage.readahead import ReadAhead, each
+from ..storage.readahead import each
 from . import reader
-from .reader import ends_early_error, mismatch_error, read_manifests, segment_ends
+from .reader import read_manifests
+from .stream import stream_file
 
 T = TypeVar("T")
 
@@ -82,29 +82,20 @@ def list_root(store: Store) -> RootListing:
 
 
 def verify_file(store: Store, rm: RankManifest, index: int, progress: Callable[[int], None] | None = None) -> None:
+    """Stream data file ``index`` of ``rm`` and match it against the manifest (:func:`.stream.stream_file`);
+    ``progress(n)`` gets the bytes read as they go (a compressed file's stored size once it is checked).
+
+    Raises :class:`CorruptCheckpointError` naming the file when it is short, damaged or does not match."""
     f = rm.files[index]
     if f.compression:
-        from .reader import read_file_into
-
-        read_file_into(store, rm, index, memoryview(bytearray(f.size)))
+        stream_file(store, rm, index, chunk=reader.READ_CHUNK)
         if progress:
             progress(f.stored_size or f.size)
         return
-    rel = join(layout.step_dir(rm.step), f.name)
-    seg = hashing.SegmentHasher(segment_ends(rm, index))
-    pos = 0
-    # bounded memory: at most read_concurrency + 1 chunk buffers (one on a local disk)
-    with ReadAhead(partial(store.readinto, rel), 0, f.size, chunk=min(reader.READ_CHUNK, max(f.size, 1)),
-                   window=store.read_concurrency) as chunks:
-        for _, view in chunks:
-            seg.feed(view)
-            pos += len(view)
-            if progress:
-                progress(len(view))
-    if pos < f.size:
-        raise ends_early_error(store, rm, index, pos)
-    if seg.file_checksum() != f.checksum:
-        raise mismatch_error(store, rm, index, seg.digests)
+    # bounded memory: at most read_concurrency + 1 chunk buffers (one on a local disk); bytes past the recorded
+    # size are not looked for (the restore checks every file's size before it reads)
+    stream_file(store, rm, index, chunk=reader.READ_CHUNK, exact=False,
+                sink=None if progress is None else (lambda view: progress(len(view))))
 
 
 def verify_step(
