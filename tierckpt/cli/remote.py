@@ -86,8 +86,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     """Replicate committed local steps that the remote lacks; exit 1 if a step failed (3 if every failure was
     for want of storage)."""
     from ..storage.commit import read_step_manifest
+    from ..tiers.listing import list_steps
     from ..tiers.reader import read_manifests
-    from ..tiers.uploader import list_steps, replicate_step
+    from ..tiers.uploader import replicate_step
 
     if args.threads < 1:
         raise UsageError("--threads must be >= 1")

@@ -18,8 +18,9 @@ from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.failures import with_deadline
-from ..storage.readahead import each
 from . import reader
+from .listing import RootListing as RootListing  # the root's listing, imported from here too
+from .listing import list_root as list_root
 from .reader import read_manifests
 from .stream import stream_file
 
@@ -48,37 +49,6 @@ class StepReport:
             "world_size": self.world_size, "ranks": self.ranks, "bad_files": self.bad_files, "errors": self.errors,
             "extra_files": self.extra_files, "removed": self.removed,
         }
-
-
-@dataclass(frozen=True)
-class RootListing:
-    steps: dict[int, str]  # step -> folder name of committed-looking step folders (manifest present)
-    incomplete: list[str]  # step folders without a manifest, and our temporary folders
-    other: list[str]
-
-
-def list_root(store: Store) -> RootListing:
-    """The root's step folders that hold a ``manifest.json`` (one request each, issued together on object stores),
-    the leftovers of unfinished saves, and anything else."""
-    steps: dict[int, str] = {}
-    incomplete: list[str] = []
-    other: list[str] = []
-    names = store.list("")
-    folders = [name for name in names if layout.parse_step_dir(name) is not None]
-    has_manifest = dict(zip(folders, each(store.exists, [join(name, layout.STEP_MANIFEST) for name in folders],
-                                          concurrency=store.read_concurrency)))
-    for name in names:
-        step = layout.parse_step_dir(name)
-        if step is not None:
-            if has_manifest[name]:
-                steps[step] = name
-            else:
-                incomplete.append(name)
-        elif layout.is_leftover(name):
-            incomplete.append(name)
-        elif not name.startswith(layout.LOCK_PREFIX) and name != layout.RECORDS_FILE:
-            other.append(name)
-    return RootListing(dict(sorted(steps.items())), incomplete, other)
 
 
 def verify_file(store: Store, rm: RankManifest, index: int, progress: Callable[[int], None] | None = None) -> None:
