@@ -418,7 +418,7 @@ def scenario_outage2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
     for step 9. Records each node's largest local tier, what every rank's handles said, and both tiers at the end."""
     from tierckpt import CheckpointManager
     from tierckpt.storage.faulty import FaultyStore
-    from tierckpt.tiers.verify import list_root
+    from tierckpt.tiers.listing import list_root
 
     root = Path(cfg["root"])
     T = cfg["timeout"]
@@ -461,7 +461,7 @@ def scenario_rcommit1(rank: int, world: int, cfg: dict[str, Any], rec: Recorder)
     shard reported, ``manifest.json`` not written: TIERCKPT_FAULT=remote-commit:2 on rank 0). Rank 1 records what
     its handle and wait() say and what the remote holds, then exits without further collectives."""
     from tierckpt import CheckpointManager, faults
-    from tierckpt.tiers.verify import list_root
+    from tierckpt.tiers.listing import list_root
 
     root = Path(cfg["root"])
     T = cfg["timeout"]
@@ -483,7 +483,7 @@ def scenario_rcommit1(rank: int, world: int, cfg: dict[str, Any], rec: Recorder)
 def scenario_rcommit2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
     """Both ranks restarted after rank 0 died mid-commit: step 2 is uploaded again and committed."""
     from tierckpt import CheckpointManager
-    from tierckpt.tiers.verify import list_root
+    from tierckpt.tiers.listing import list_root
 
     root = Path(cfg["root"])
     T = cfg["timeout"]
@@ -506,7 +506,7 @@ def scenario_count2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
     and rank 0 commits, no other rank reads one (they learn of the commit through the c10d store)."""
     from tierckpt import CheckpointManager
     from tierckpt.storage.faulty import FaultyStore
-    from tierckpt.tiers.verify import list_root
+    from tierckpt.tiers.listing import list_root
 
     root = Path(cfg["root"])
     T = cfg["timeout"]

@@ -39,8 +39,9 @@ from tierckpt.storage.fsspec_store import FsspecStore
 from tierckpt.storage.local import LocalStore
 from tierckpt.testing.netfaults import DenyingServer, FaultProxy, refused_url
 from tierckpt.tiers import verify as verify_mod
-from tierckpt.tiers.uploader import delete_step
-from tierckpt.tiers.verify import list_root, verify_step
+from tierckpt.tiers.listing import list_root
+from tierckpt.tiers.steps import delete_step
+from tierckpt.tiers.verify import verify_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -483,7 +484,7 @@ def test_prune_and_sync_failure_lines_name_the_url(tmp_path: Path, monkeypatch: 
     """A deletion that the storage refuses is reported with the step's URL (exit 3: could not act); a step
     that cannot be replicated because the local copy is damaged is reported with the remote URL (exit 1:
     failed)."""
-    from tierckpt.tiers import uploader
+    from tierckpt.tiers import steps
 
     root = tmp_path / "nfs"
     _local_root(root, (1, 2))
@@ -491,7 +492,7 @@ def test_prune_and_sync_failure_lines_name_the_url(tmp_path: Path, monkeypatch: 
     def refused(store: Any, step: int) -> None:
         raise PermissionError(13, "Permission denied", str(root / layout.step_dir(step)))
 
-    monkeypatch.setattr(uploader, "delete_step", refused)
+    monkeypatch.setattr(steps, "delete_step", refused)
     rc, out, err = _main(capsys, ["prune", root, "--keep", "1"])
     assert rc == 3, out + err
     assert f"step 1: FAILED to delete {root / layout.step_dir(1)}: " in err and len(_lines(err)) == 1, err

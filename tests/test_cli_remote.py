@@ -23,8 +23,8 @@ from tierckpt.cli import main as cli_main
 from tierckpt.format import layout
 from tierckpt.storage.fsspec_store import FsspecStore
 from tierckpt.storage.local import LocalStore
+from tierckpt.tiers.listing import list_steps
 from tierckpt.tiers.reader import read_manifests
-from tierckpt.tiers.uploader import list_steps
 from tierckpt.tiers.verify import verify_step
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""Restore keeps the disk busy while it parses and plans: ``reader.Prefetch`` asks the store to start reading this
+"""Restore keeps the disk busy while it parses and plans: ``prefetch.Prefetch`` asks the store to start reading this
 rank's data files (and its rank manifest first), in the readers' order, within a byte budget, until stopped. It is
 only a hint: what it asks for is never used as data, and a failing hint changes nothing."""
 
@@ -12,7 +12,7 @@ from helpers_core import assert_tree_equal, clone_tree, save_once, zeros_like_tr
 import tierckpt
 from tierckpt.format import layout
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers import reader
+from tierckpt.tiers import prefetch, reader
 
 
 class RecordingStore(LocalStore):
@@ -61,9 +61,9 @@ def test_prefetch_follows_the_readers_order_within_budget(tmp_path, monkeypatch)
     data = layout.data_files_of(store.list(folder), 0, manifest.save_id)
     sizes = {f"{folder}/{n}": store.size(f"{folder}/{n}") for n in data}
     assert len(data) >= 4  # several waves of two files
-    monkeypatch.setattr(reader, "PREFETCH_CHUNK", 256 << 10)
+    monkeypatch.setattr(prefetch, "PREFETCH_CHUNK", 256 << 10)
 
-    pf = reader.Prefetch(store, manifest, 0, width=2)
+    pf = prefetch.Prefetch(store, manifest, 0, width=2)
     assert pf.wait(10)
     rank_ref = manifest.ranks[0]
     assert store.calls[0] == (f"{folder}/{rank_ref.name}", 0, rank_ref.size)
@@ -83,14 +83,14 @@ def test_prefetch_follows_the_readers_order_within_budget(tmp_path, monkeypatch)
 
     # the budget bounds what is asked for
     store.calls.clear()
-    pf = reader.Prefetch(store, manifest, 0, width=2, budget=600 << 10)
+    pf = prefetch.Prefetch(store, manifest, 0, width=2, budget=600 << 10)
     assert pf.wait(10)
     asked = sum(n for _, _, n in store.calls[1:])
     assert 600 << 10 <= asked < (600 << 10) + (256 << 10)
     # nothing at all with a zero budget, or for a rank with no files here
     store.calls.clear()
-    assert reader.Prefetch(store, manifest, 0, width=2, budget=0).wait(10) and store.calls == []
-    assert reader.Prefetch(store, manifest, 3, width=2).wait(10) and store.calls == []
+    assert prefetch.Prefetch(store, manifest, 0, width=2, budget=0).wait(10) and store.calls == []
+    assert prefetch.Prefetch(store, manifest, 3, width=2).wait(10) and store.calls == []
 
 
 def test_stop_ends_the_prefetch_after_the_request_in_flight(tmp_path, monkeypatch):
@@ -98,8 +98,8 @@ def test_stop_ends_the_prefetch_after_the_request_in_flight(tmp_path, monkeypatc
     hold = threading.Event()
     store = RecordingStore(root, hold=hold)
     manifest = reader.read_step(store, 7)
-    monkeypatch.setattr(reader, "PREFETCH_CHUNK", 64 << 10)
-    pf = reader.Prefetch(store, manifest, 0, width=2)
+    monkeypatch.setattr(prefetch, "PREFETCH_CHUNK", 64 << 10)
+    pf = prefetch.Prefetch(store, manifest, 0, width=2)
     assert store.entered.wait(10)
     pf.stop()
     assert not pf.wait(0.05)  # still inside its one request
@@ -118,8 +118,8 @@ def test_restore_loads_the_same_bytes_when_every_hint_fails(tmp_path, monkeypatc
         raise OSError("no readahead here")
 
     monkeypatch.setattr(LocalStore, "prefetch", broken)
-    stop = reader.Prefetch.stop
-    monkeypatch.setattr(reader.Prefetch, "stop", lambda self: (self.wait(10), stop(self)))  # let it fail first
+    stop = prefetch.Prefetch.stop
+    monkeypatch.setattr(prefetch.Prefetch, "stop", lambda self: (self.wait(10), stop(self)))  # let it fail first
     target = zeros_like_tree(state)
     with tierckpt.CheckpointManager(root, file_size_mb=1, direct_io=False) as mgr:
         assert mgr.restore(target, in_place=True) == 7
@@ -139,8 +139,8 @@ def test_only_in_place_restores_that_read_through_the_page_cache_prefetch(tmp_pa
         real(self, rel, offset, length)
 
     monkeypatch.setattr(LocalStore, "prefetch", record)
-    stop = reader.Prefetch.stop
-    monkeypatch.setattr(reader.Prefetch, "stop", lambda self: (self.wait(10), stop(self)))  # let it finish first
+    stop = prefetch.Prefetch.stop
+    monkeypatch.setattr(prefetch.Prefetch, "stop", lambda self: (self.wait(10), stop(self)))  # let it finish first
     with tierckpt.CheckpointManager(root, file_size_mb=1) as mgr:
         assert mgr.restore(zeros_like_tree(state)) == 7
         assert calls == []  # the default restore reads without hints
@@ -161,6 +161,6 @@ def test_other_stores_get_no_prefetch_thread(tmp_path):
     manifest = reader.read_step(store, 7)
     store.prefetch_reads = False
     before = {t.name for t in threading.enumerate()}
-    pf = reader.Prefetch(store, manifest, 0, width=2)
+    pf = prefetch.Prefetch(store, manifest, 0, width=2)
     assert pf._thread is None and pf.wait(0)
     assert {t.name for t in threading.enumerate()} - before == set()

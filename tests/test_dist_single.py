@@ -37,8 +37,9 @@ from tierckpt.format.safetensors import build_header
 from tierckpt.storage.base import join
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import sharded
+from tierckpt.tiers.listing import list_root
 from tierckpt.tiers.reader import read_manifests
-from tierckpt.tiers.verify import list_root, verify_step
+from tierckpt.tiers.verify import verify_step
 
 pytestmark = pytest.mark.timeout(60)
 

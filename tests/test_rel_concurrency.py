@@ -14,7 +14,7 @@ from helpers_core import assert_tree_equal
 
 from tierckpt import CheckpointLockedError, CheckpointManager, cli
 from tierckpt.tiers import writer
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ from helpers_core import assert_tree_equal
 
 from tierckpt import CheckpointError, CheckpointManager, UploadError, cli
 from tierckpt.storage.faulty import FaultyStore
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(120)
 

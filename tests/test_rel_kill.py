@@ -29,7 +29,7 @@ from helpers_core import TESTS_DIR, assert_tree_equal, cli_output, run_cli, subp
 
 from tierckpt import CheckpointManager, cli, faults
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 LONG = os.environ.get("TIERCKPT_LONG") == "1"
 pytestmark = pytest.mark.timeout(1800 if LONG else 240)

@@ -19,7 +19,7 @@ from helpers_core import assert_tree_equal
 
 from tierckpt import CheckpointManager, UploadError
 from tierckpt.storage.faulty import FaultyStore
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(120)
 

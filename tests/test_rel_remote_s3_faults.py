@@ -17,7 +17,7 @@ from helpers_core import assert_tree_equal
 from tierckpt import CheckpointManager, StorageError, UploadError
 from tierckpt.errors import StorageAccessError
 from tierckpt.testing import DenyingServer, FaultProxy, refused_url
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(180)
 

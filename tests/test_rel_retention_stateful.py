@@ -55,7 +55,7 @@ from tierckpt.replication import ReplicationPolicy
 from tierckpt.retention import KeepPolicy
 from tierckpt.storage.faulty import FaultyStore
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ from helpers_core import assert_tree_equal
 from tierckpt import CheckpointError, CheckpointManager
 from tierckpt.errors import RollbackError, StorageAccessError
 from tierckpt.format import layout
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ from tierckpt.errors import StorageUnavailableError, UploadError
 from tierckpt.replication import ReplicationPolicy, Replicator
 from tierckpt.replication.policy import OVER_BACKLOG, REPLICATED, SUPERSEDED
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers.verify import list_root
+from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(60)
 

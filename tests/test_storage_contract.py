@@ -13,7 +13,8 @@ from tierckpt.errors import CheckpointError, StorageError
 from tierckpt.format import layout
 from tierckpt.storage.base import join
 from tierckpt.storage.commit import protocol_for, read_step_manifest
-from tierckpt.tiers.uploader import delete_step, list_steps
+from tierckpt.tiers.listing import list_steps
+from tierckpt.tiers.steps import delete_step
 
 BIG = (5 << 20) + 12345  # more than one S3 part at the tests' 5 MiB part size
 

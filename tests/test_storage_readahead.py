@@ -20,8 +20,9 @@ from tierckpt.storage.faulty import FaultyFileSystem
 from tierckpt.storage.fsspec_store import DEFAULT_READ_CONCURRENCY, FsspecStore
 from tierckpt.storage.readahead import ReadAhead, each
 from tierckpt.tiers import reader
+from tierckpt.tiers.listing import list_root
 from tierckpt.tiers.reader import read_manifests
-from tierckpt.tiers.verify import list_root, verify_step
+from tierckpt.tiers.verify import verify_step
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -386,7 +387,7 @@ class _CountingExists:
 
 def test_step_states_of_a_remote_are_read_together(make_store) -> None:
     from tierckpt.status import list_steps as step_infos
-    from tierckpt.tiers.uploader import list_steps
+    from tierckpt.tiers.listing import list_steps
 
     store, local = make_store("s3"), make_store("local")
     for step in range(1, 9):
@@ -430,7 +431,8 @@ def test_upload_verification_reads_back_with_reads_in_flight(make_store) -> None
 
     from tierckpt import UploadError
     from tierckpt.storage.retry import RetryPolicy
-    from tierckpt.tiers.uploader import list_steps, replicate_step
+    from tierckpt.tiers.listing import list_steps
+    from tierckpt.tiers.uploader import replicate_step
 
     local = make_store("local")
     built = build_step(21, sizes=(4096, 3000, 37), n_files=2)

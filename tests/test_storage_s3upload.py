@@ -267,7 +267,7 @@ def test_a_step_uploaded_in_parallel_parts_restores_from_s3_alone(tmp_path, s3_b
 
 def test_cli_sync_takes_write_concurrency(tmp_path, s3_bucket, s3_server, capsys) -> None:
     from tierckpt.cli import main as cli_main
-    from tierckpt.tiers.uploader import list_steps
+    from tierckpt.tiers.listing import list_steps
 
     state = {"w": torch.randn(5 * MiB)}  # 20 MiB: more than one of the CLI's 16 MiB parts
     with tierckpt.CheckpointManager(tmp_path / "local") as mgr:
@@ -295,7 +295,8 @@ def test_the_uploader_retries_a_file_whose_part_failed(tmp_path, make_store) -> 
     committed with exact bytes, and the failed attempt's multipart upload is gone."""
     from tierckpt.storage.local import LocalStore
     from tierckpt.storage.retry import RetryPolicy
-    from tierckpt.tiers.uploader import list_steps, replicate_step
+    from tierckpt.tiers.listing import list_steps
+    from tierckpt.tiers.uploader import replicate_step
 
     state = {"w": torch.randn(3 * MiB)}  # 12 MiB: one file, 3 parts of 5 MiB
     with tierckpt.CheckpointManager(tmp_path / "local") as mgr:

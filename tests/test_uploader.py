@@ -17,8 +17,9 @@ from tierckpt.storage.base import join
 from tierckpt.storage.commit import read_step_manifest
 from tierckpt.storage.faulty import FaultyFileSystem, FaultyStore
 from tierckpt.storage.retry import RetryPolicy
+from tierckpt.tiers.listing import list_steps
 from tierckpt.tiers.reader import fetch_file, read_file_into, read_manifests
-from tierckpt.tiers.uploader import TokenBucket, list_steps, replicate_step
+from tierckpt.tiers.uploader import TokenBucket, replicate_step
 
 FAST = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)
 

@@ -18,7 +18,7 @@ digest that file's checksum is made of). So ``keys=["model"]`` reads no byte of 
 file is compressed), and a load holds one copy of what it returns, plus at most one compressed file, or
 :data:`RUN_BYTES`, per io thread while it reads.
 
-Invariants: nothing is unpickled or imported (the tree is JSON, decoded by :func:`.snapshot.load.decode_tree`); no
+Invariants: nothing is unpickled or imported (the tree is JSON, decoded by :func:`.snapshot.decode.decode_tree`); no
 byte reaches the caller unverified; no collective call is made (each rank of a multi-rank job loads its own saved
 tree independently, so calling this on one rank or on all cannot deadlock).
 """
@@ -39,22 +39,15 @@ import torch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from .format import hashing, layout
 from .format.manifest import RankManifest, StepManifest, TensorRecord
+from .snapshot.decode import decode_tree
 from .snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
-from .snapshot.load import decode_tree
 from .snapshot.loaded import byte_view
 from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.readahead import ReadAhead
 from .tiers.listing import TierListings, first_intact
-from .tiers.reader import (
-    MAX_IOV,
-    READ_CHUNK,
-    check_sizes,
-    ends_early_error,
-    read_file_into,
-    read_ranks,
-    read_step,
-)
+from .tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
+from .tiers.stream import ends_early_error
 from .tiers.tasks import run_all
 
 log = logging.getLogger(__name__)

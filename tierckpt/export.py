@@ -44,8 +44,8 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageErro
 from .format import layout
 from .format.safetensors import build_header
 from .readonly import Reader
+from .snapshot.decode import decode_tree
 from .snapshot.dtypes import CODE_TO_TORCH, TORCH_TO_CODE
-from .snapshot.load import decode_tree
 from .snapshot.loaded import byte_view
 from .storage.base import Store
 from .storage.open import is_url, open_store

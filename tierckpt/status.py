@@ -11,7 +11,7 @@ from .storage.base import Store
 from .storage.commit import read_step_manifest
 from .storage.failures import with_deadline
 from .storage.readahead import each
-from .tiers.verify import list_root
+from .tiers.listing import list_root
 
 log = logging.getLogger(__name__)
 

@@ -149,8 +149,8 @@ def bounded(args: argparse.Namespace, store: Store, what: str, fn: Callable[[], 
 
 
 def bounded_list_root(args: argparse.Namespace, store: Store) -> Any:
-    """``tiers.verify.list_root(store)`` within ``--timeout`` (see :func:`bounded`)."""
-    from ..tiers.verify import list_root
+    """``tiers.listing.list_root(store)`` within ``--timeout`` (see :func:`bounded`)."""
+    from ..tiers.listing import list_root
 
     return bounded(args, store, "list", lambda: list_root(store))
 

@@ -163,7 +163,7 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
     the uploads it would abort; what was kept as possibly in progress); a failure is appended to ``failures``
     and ``errors`` and reported on stderr."""
     from ..storage.commit import protocol_for
-    from ..tiers.verify import list_root
+    from ..tiers.listing import list_root
 
     view: Any = store
     try:
@@ -201,7 +201,7 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
 def cmd_prune(args: argparse.Namespace) -> int:
     """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step."""
     from ..retention import KeepPolicy
-    from ..tiers.uploader import delete_step
+    from ..tiers.steps import delete_step
 
     try:
         policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)

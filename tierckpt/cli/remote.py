@@ -41,12 +41,11 @@ from ..errors import (
     CorruptCheckpointError,
 )
 from ..format import hashing, layout
-from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest
+from ..format.manifest import FileRecord, RankManifest, StepManifest
 from ..storage import folder_lock
 from ..storage.base import Store, join
 from ..storage.failures import translate, with_deadline
 from ..storage.open import is_url
-from ..storage.readahead import ReadAhead
 from ..storage.s3upload import DEFAULT_WRITE_CONCURRENCY
 from ._common import (
     EXIT_BAD,
@@ -87,8 +86,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     """Replicate committed local steps that the remote lacks; exit 1 if a step failed (3 if every failure was
     for want of storage)."""
     from ..storage.commit import read_step_manifest
+    from ..tiers.listing import list_steps
     from ..tiers.reader import read_manifests
-    from ..tiers.uploader import list_steps, replicate_step
+    from ..tiers.uploader import replicate_step
 
     if args.threads < 1:
         raise UsageError("--threads must be >= 1")
@@ -184,71 +184,26 @@ def _lock_local(root: str) -> int:
 
 def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, staging: str,
                progress: Callable[[int], Any] | None) -> FileRecord:
-    """Stream one remote data file into ``staging``, decompressed, hashing every byte; the local record."""
-    from ..tiers.reader import mismatch_error, segment_ends
+    """Stream one remote data file into ``staging``, decompressed, hashing every byte
+    (:func:`~tierckpt.tiers.stream.stream_file`; a file that does not verify is removed); the local record."""
+    from ..tiers.stream import stream_file
 
     rec = rm.files[index]
-    src = join(layout.step_dir(rm.step), rec.name)
-    where = url_of(remote, src)
-    seg = hashing.SegmentHasher(segment_ends(rm, index))
-
-    def corrupt(msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{rec.name}: {msg}", step=rm.step, tier=remote.tier, path=where,
-                                      bad_files=[rec.name])
-
-    if rec.compression not in (None, "zstd"):
-        raise corrupt(f"unknown compression {rec.compression!r}")
-    got = 0
     w = local.open_write(join(staging, rec.name), size_hint=rec.size)
+
+    def sink(view: memoryview) -> None:
+        w.write(view)
+        if progress is not None:
+            progress(len(view))
+
     try:
-        if rec.compression is None:  # the remote's ranged reads kept in flight, handed over in order
-            with ReadAhead(partial(remote.readinto, src), 0, rec.size, chunk=_CHUNK,
-                           window=remote.read_concurrency) as chunks:
-                for _, view in chunks:
-                    got += len(view)
-                    seg.feed(view)
-                    w.write(view)
-                    if progress is not None:
-                        progress(len(view))
-            if got == rec.size and remote.readinto(src, rec.size, memoryview(bytearray(1))):
-                raise corrupt(f"holds more than its {rec.size} bytes")
-        else:
-            got = _pull_zstd(remote, src, rec, seg, w, corrupt, progress)
-        if got != rec.size:
-            raise corrupt(f"holds {got} bytes, the manifest says {rec.size}")
-        if seg.file_checksum() != rec.checksum:
-            raise mismatch_error(remote, rm, index, seg.digests)
+        # the remote's ranged reads kept in flight, handed over in order (a compressed file: one stream)
+        stream_file(remote, rm, index, sink=sink, chunk=_CHUNK)
         w.close()
     except BaseException:
         w.abort()
         raise
     return dataclasses.replace(rec, compression=None, stored_size=None)
-
-
-def _pull_zstd(remote: Store, src: str, rec: FileRecord, seg: hashing.SegmentHasher, w: Any,
-               corrupt: Callable[[str], CorruptCheckpointError],
-               progress: Callable[[int], Any] | None) -> int:
-    """A zstd-compressed remote file, decompressed, hashed and written as it streams in; returns its bytes."""
-    import zstandard
-
-    got = 0
-    with remote.open_read(src) as f:
-        reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=_CHUNK, read_across_frames=False)
-        try:
-            while True:
-                data = reader.read(min(_CHUNK, rec.size - got + 1))
-                if not data:
-                    break
-                got += len(data)
-                if got > rec.size:
-                    raise corrupt(f"holds more than its {rec.size} bytes")
-                seg.feed(data)
-                w.write(data)
-                if progress is not None:
-                    progress(len(data))
-        except zstandard.ZstdError as exc:
-            raise corrupt(f"damaged zstd stream: {exc}") from None
-    return got
 
 
 def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
@@ -300,7 +255,7 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
                                              tier=remote.tier,
                                              path=url_of(remote, join(layout.step_dir(step), ref.name)),
                                              bad_files=[ref.name])
-            refs.append(RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex()))
+            refs.append(dataclasses.replace(ref, size=len(raw), checksum=hashing.digest(raw).hex()))
             local.write_bytes(join(staging, ref.name), raw)
         out = manifest if tuple(refs) == manifest.ranks else dataclasses.replace(manifest, ranks=tuple(refs))
         local.write_bytes(join(staging, layout.STEP_MANIFEST), out.to_bytes())

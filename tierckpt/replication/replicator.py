@@ -34,8 +34,8 @@ from typing import Any, Protocol
 from ..errors import CheckpointNotFoundError, StorageError
 from ..storage.base import Store
 from ..storage.failures import describe, with_deadline
-from ..tiers.uploader import delete_step
-from ..tiers.verify import list_root
+from ..tiers.listing import list_root
+from ..tiers.steps import delete_step
 from .policy import OVER_BACKLOG, REPLICATED, SUPERSEDED, ReplicationPolicy
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,6 @@
-"""Decoding a state tree and loading it into a live state in place (the inverse of :mod:`.tree`).
+"""Loading a saved state tree into a live state in place (values decoded by :mod:`.decode`).
 
 Invariants:
-- decoding accepts exactly the tags :mod:`.tree` writes, checks every tensor index and nesting depth, and never
-  evaluates or imports anything named in the tree;
 - loading is two-phase: :func:`plan_restore` checks every key, shape and dtype against the live state and raises
   :class:`StateMismatchError` before anything is changed (it needs only the manifest, so a restore may read the
   files into a staging buffer meanwhile); :meth:`RestorePlan.apply` first decodes every value (a malformed node
@@ -17,8 +15,6 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
-import collections
 from collections.abc import Callable, Hashable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -31,8 +27,10 @@ from ..errors import CorruptCheckpointError, StateMismatchError
 from ..format.manifest import TensorRecord
 from . import hostcopy
 from .copier import copy_tensors
+from .decode import Decoder
+from .decode import decode_tree as decode_tree  # imported from here too
 from .dtensor import is_dtensor, target_box
-from .dtypes import CODE_TO_NUMPY, CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
+from .dtypes import CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
 from .loadbatch import detached, direct_flags, plain_tensor_items
 from .loaded import LoadedBuffer, TensorSource
 from .modules import LOADING, SAVING, plain_tree
@@ -41,146 +39,12 @@ from .tree import MAX_DEPTH, is_stateful
 _INDEX = attrgetter("index")
 
 
-class _Decoder:
-    """Turns tree nodes into Python values. ``tensor(i)`` returns a view of loaded bytes (not owned)."""
-
-    def __init__(self, records: tuple[TensorRecord, ...], tensor: TensorSource, *, step: int | None,
-                 dtensor: Callable[[str], Any] | None = None, direct: frozenset[int] = frozenset()) -> None:
-        self.records = records
-        self.tensor = tensor
-        self.step = step
-        self.dtensor = dtensor
-        #: records loaded straight into live memory: already owned by the state, so never cloned
-        self.direct = direct
-
-    def bad(self, msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"malformed state tree: {msg}", step=self.step)
-
-    def index(self, node: dict, tag: str, kind: str) -> int:
-        i = node[tag]
-        if type(i) is not int or not 0 <= i < len(self.records) or self.records[i].kind != kind:
-            raise self.bad(f"bad {tag} reference {i!r}")
-        return i
-
-    def key(self, node: Any, depth: int = 0) -> Any:
-        """A saved dict key: anything hashable that :meth:`decode` gives (a list is no key of any state)."""
-        key = self.decode(node, own=True, depth=depth)
-        try:
-            hash(key)
-        except TypeError:
-            raise self.bad("unhashable dict key") from None
-        return key
-
-    def decode(self, node: Any, *, own: bool, depth: int = 0) -> Any:
-        """``own``: copy tensors out of the loading buffers (for values the caller keeps)."""
-        if depth > MAX_DEPTH:
-            raise self.bad(f"nested deeper than {MAX_DEPTH}")
-        if node is None or isinstance(node, (bool, str)):
-            return node
-        if isinstance(node, int):
-            return node
-        if isinstance(node, list):
-            return [self.decode(v, own=own, depth=depth + 1) for v in node]
-        if not isinstance(node, dict) or not (len(node) in (1, 2, 3) or (len(node) <= 6 and "$dtensor" in node)):
-            raise self.bad(f"unexpected node {str(node)[:80]}")  # a $dtensor node may carry its layout too
-        tag = next(iter(node))
-        if tag == "$dtensor":
-            if self.dtensor is None or not isinstance(node[tag], str):
-                raise self.bad("a distributed tensor where none was expected")
-            return self.dtensor(node[tag])
-        if tag == "$float":
-            try:
-                return float.fromhex(node[tag])
-            except (TypeError, ValueError):
-                raise self.bad(f"bad float {node[tag]!r}") from None
-        if tag == "$bytes":
-            try:
-                return base64.b64decode(node[tag], validate=True)
-            except (TypeError, ValueError):
-                raise self.bad("bad bytes") from None
-        if tag in ("$dict", "$odict"):
-            items = node[tag]
-            if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
-                raise self.bad("bad dict")
-            cls = collections.OrderedDict if tag == "$odict" else dict
-            out = cls()
-            for k, v in items:
-                out[self.key(k, depth + 1)] = self.decode(v, own=own, depth=depth + 1)
-            return out
-        if tag in ("$tuple", "$set"):
-            if not isinstance(node[tag], list):
-                raise self.bad(f"bad {tag}")
-            vals = [self.decode(v, own=own, depth=depth + 1) for v in node[tag]]
-            if tag == "$tuple":
-                return tuple(vals)
-            try:
-                return set(vals)
-            except TypeError:  # a list inside: no saved set holds one
-                raise self.bad("unhashable set item") from None
-        if tag == "$tensor":
-            i = self.index(node, tag, "torch")
-            t = self.tensor(i)
-            return t.clone() if own and i not in self.direct else t
-        if tag in ("$ndarray", "$npscalar"):
-            arr = self.array(self.index(node, tag, "numpy"))
-            return arr[()] if tag == "$npscalar" else arr
-        if tag == "$generator":
-            g = torch.Generator(device=node.get("device", "cpu")) if node.get("device", "cpu") == "cpu" else None
-            state = self.tensor(self.index(node, tag, "torch")).clone()
-            if g is None:
-                return state
-            g.set_state(state)
-            return g
-        if tag == "$dtype":
-            dt = getattr(torch, str(node[tag]), None)
-            if not isinstance(dt, torch.dtype):
-                raise self.bad(f"unknown dtype {node[tag]!r}")
-            return dt
-        if tag == "$device":
-            try:
-                return torch.device(str(node[tag]))
-            except RuntimeError:
-                raise self.bad(f"bad device {node[tag]!r}") from None
-        if tag == "$size":
-            if not isinstance(node[tag], list) or not all(type(d) is int for d in node[tag]):
-                raise self.bad("bad size")
-            return torch.Size(node[tag])
-        if tag == "$stateful":
-            return self.decode(node[tag], own=own, depth=depth + 1)
-        raise self.bad(f"unknown tag {tag!r}")
-
-    def array(self, i: int) -> np.ndarray:
-        rec = self.records[i]
-        raw = self.tensor(i)  # uint8 bytes of the leaf, as loaded
-        return raw.numpy().view(CODE_TO_NUMPY[rec.dtype]).reshape(rec.shape).copy()
-
-
-class _ValueDecoder(_Decoder):
-    """A :class:`_Decoder` whose ``tensor(i)`` is record ``i``'s final value (a torch tensor, or a numpy array for
-    a ``numpy`` record), owned by the caller and returned as is: never cloned, never copied."""
-
-    def array(self, i: int) -> np.ndarray:
-        return self.tensor(i)  # type: ignore[return-value]
-
-
-def decode_tree(tree: Any, records: tuple[TensorRecord, ...], values: Callable[[int], Any], *, step: int | None,
-                dtensor: Callable[[str], Any] | None = None) -> Any:
-    """``tree`` as plain Python values, without a live state to load into (template-free loading).
-
-    ``values(i)``: record ``i``'s value, of its dtype and shape, owned by the caller: a CPU tensor for a ``torch``
-    record, a numpy array for a ``numpy`` one; each is put in the result as is, so a record referenced under
-    several keys (tied parameters) comes back as one object under each. ``$stateful`` nodes come back as the
-    ``state_dict()`` tree that was saved; ``dtensor(path)`` gives each ``$dtensor`` node's value. Raises
-    :class:`CorruptCheckpointError` for a malformed tree (nothing in it is imported or evaluated)."""
-    return _ValueDecoder(records, values, step=step, dtensor=dtensor).decode(tree, own=False)
-
-
 @dataclass
 class RestorePlan:
     """Checked actions, applied only after the checkpoint's bytes are loaded and verified."""
 
     #: each action decodes what it needs and returns the closure that changes the state
-    actions: list[Callable[[_Decoder], Callable[[], None]]] = field(default_factory=list)
+    actions: list[Callable[[Decoder], Callable[[], None]]] = field(default_factory=list)
     #: key path -> (live target, saved dtype code, saved global shape) of every distributed-tensor leaf
     dtensor_targets: dict[str, tuple[Any, str, tuple[int, ...]]] = field(default_factory=dict)
     #: record index -> live CPU tensor its bytes may be read straight into (``in_place=True`` only)
@@ -193,7 +57,7 @@ class RestorePlan:
               dtensor: Callable[[str], Any] | None = None, loaded: LoadedBuffer | None = None) -> None:
         """Change the state. ``loaded``: where ``tensor(i)``'s bytes lie, so that the plain tensors are copied
         straight from there in one native call (no view per tensor) when every live one is a plain host tensor."""
-        dec = _Decoder(records, tensor, step=step, dtensor=dtensor, direct=frozenset(self.direct))
+        dec = Decoder(records, tensor, step=step, dtensor=dtensor, direct=frozenset(self.direct))
         # decode everything first (a malformed node raises here, before the state is touched), then commit. No
         # commit reads a live tensor another one writes (decoded values are views of the loaded bytes or clones),
         # so the tensor copies can run together, after the others.
@@ -260,7 +124,7 @@ class _Checker:
                  in_place: bool = False) -> None:
         self.records, self.strict, self.step, self.plan = records, strict, step, plan
         self.in_place = in_place
-        self._keys = _Decoder(records, _no_tensor, step=step)
+        self._keys = Decoder(records, _no_tensor, step=step)
 
     def key(self, node: Any) -> Any:
         """A saved dict key (str and int keys are stored as themselves)."""
@@ -422,7 +286,7 @@ class _Checker:
                 self.module_item_by_item(live, self.module_entries(node, path), path)
             strict = self.strict
 
-            def load_module(dec: _Decoder) -> Callable[[], None]:
+            def load_module(dec: Decoder) -> Callable[[], None]:
                 sd = dec.decode(node, own=False)
                 return lambda: _load_module(obj, sd, strict, path, dec.step)
 
@@ -437,7 +301,7 @@ class _Checker:
             if self.in_place:
                 self.direct_in_object(obj.state_dict(), node)
 
-            def load_object(dec: _Decoder) -> Callable[[], None]:
+            def load_object(dec: Decoder) -> Callable[[], None]:
                 sd = dec.decode(node, own=True)
                 return lambda: _load_object(obj, sd, path, dec.step)
 
@@ -529,8 +393,8 @@ def _no_tensor(i: int) -> torch.Tensor:
     raise CorruptCheckpointError("malformed state tree: tensor used as a dict key")
 
 
-def _dtensor_copier(dst: torch.Tensor, key: str) -> Callable[[_Decoder], Callable[[], None]]:
-    def prepare(dec: _Decoder) -> Callable[[], None]:
+def _dtensor_copier(dst: torch.Tensor, key: str) -> Callable[[Decoder], Callable[[], None]]:
+    def prepare(dec: Decoder) -> Callable[[], None]:
         assert dec.dtensor is not None
         value = dec.dtensor(key)
         src = value.to_local() if is_dtensor(value) else value
@@ -560,24 +424,24 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             d.copy_(s)
 
 
-def _np_copier(dst: np.ndarray, i: int) -> Callable[[_Decoder], Callable[[], None]]:
-    def prepare(dec: _Decoder) -> Callable[[], None]:
+def _np_copier(dst: np.ndarray, i: int) -> Callable[[Decoder], Callable[[], None]]:
+    def prepare(dec: Decoder) -> Callable[[], None]:
         arr = dec.array(i)
         return lambda: np.copyto(dst, arr)
 
     return prepare
 
 
-def _gen_setter(gen: torch.Generator, i: int) -> Callable[[_Decoder], Callable[[], None]]:
-    def prepare(dec: _Decoder) -> Callable[[], None]:
+def _gen_setter(gen: torch.Generator, i: int) -> Callable[[Decoder], Callable[[], None]]:
+    def prepare(dec: Decoder) -> Callable[[], None]:
         st = dec.tensor(i).clone()
         return lambda: gen.set_state(st)
 
     return prepare
 
 
-def _setter(parent: Any, key: Any, node: Any) -> Callable[[_Decoder], Callable[[], None]]:
-    def prepare(dec: _Decoder) -> Callable[[], None]:
+def _setter(parent: Any, key: Any, node: Any) -> Callable[[Decoder], Callable[[], None]]:
+    def prepare(dec: Decoder) -> Callable[[], None]:
         value = dec.decode(node, own=True)
 
         def commit() -> None:

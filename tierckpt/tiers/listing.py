@@ -1,28 +1,117 @@
-"""Listing the committed steps of several tiers at once, for a restore: bounded, and never mistaking an unreadable
-tier for an empty one.
+"""Listing the steps a tier's root holds, and the committed steps of several tiers at once for a restore: bounded,
+and never mistaking an unreadable tier for an empty one.
+
+:func:`list_root` is the listing of a root: its committed step folders, the leftovers of unfinished saves and
+uploads (with the step each belongs to), and anything else. :func:`list_steps` (each step's state) and
+:func:`list_tiers` (several tiers) are built on it.
 
 Invariants: every tier but the node-local one is listed with retries of transient failures for at most
 ``deadline_s`` (an unreachable or silent remote costs a logged, bounded wait); a tier that cannot be listed is
 reported in :attr:`TierListings.failed`, and :meth:`TierListings.require` raises instead of answering "no
 checkpoint" unless every tier answered: a restore that returned None there would start training from step 0, and
-retention could then delete the checkpoints that the unreadable tier holds.
+retention could then delete the checkpoints that the unreadable tier holds. A root is listed with one request, then
+one per step folder (does it hold a ``manifest.json``, or with ``verify_manifests`` its manifest read), issued
+together on an object store.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from ..storage.base import Store
+from ..format import layout
+from ..storage.base import Store, join
+from ..storage.commit import read_step_manifest
 from ..storage.failures import translate, with_deadline
-from .verify import list_root
+from ..storage.readahead import each
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RootListing:
+    """What a tier's root holds (see :func:`list_root`)."""
+
+    #: step -> folder name of each committed step folder: its ``manifest.json`` is there (and, listed with
+    #: ``verify_manifests``, verifies)
+    steps: dict[int, str]
+    #: leftovers of unfinished saves: step folders without a manifest, and our temporary and trash folders
+    incomplete: list[str]
+    #: anything else but the lock files and the save records
+    other: list[str]
+    #: step -> folder name of each step folder whose ``manifest.json`` does not verify (``verify_manifests`` only;
+    #: without it such a folder is in :attr:`steps`)
+    corrupt: dict[int, str] = field(default_factory=dict)
+    #: step -> the folders of that step that hold no manifest: a manifest-less step folder, and the temporary
+    #: folders of a save or upload in progress (or a crash's leftover) of a rename-commit store
+    uncommitted: dict[int, list[str]] = field(default_factory=dict)
+
+
+def list_root(store: Store, *, verify_manifests: bool = False) -> RootListing:
+    """List a tier's root (see :class:`RootListing`): one listing, then one request per step folder, issued together
+    on object stores: whether its ``manifest.json`` exists, or with ``verify_manifests`` the manifest read and
+    verified.
+
+    Raises what the store raises when it cannot be listed or read (a :class:`~tierckpt.errors.StorageError` or an
+    ``OSError``); a damaged manifest is listed, never raised."""
+    names = store.list("")
+    folders = [name for name in names if layout.parse_step_dir(name) is not None]
+
+    def state(name: str) -> str | None:
+        if not verify_manifests:
+            return "committed" if store.exists(join(name, layout.STEP_MANIFEST)) else None
+        try:
+            found = read_step_manifest(store, name, layout.parse_step_dir(name))
+        except CorruptCheckpointError:
+            return "corrupt"
+        return None if found is None else "committed"
+
+    states = dict(zip(folders, each(state, folders, concurrency=store.read_concurrency)))
+    steps: dict[int, str] = {}
+    corrupt: dict[int, str] = {}
+    uncommitted: dict[int, list[str]] = {}
+    incomplete: list[str] = []
+    other: list[str] = []
+    for name in names:
+        step = layout.parse_step_dir(name)
+        if step is not None:
+            if states[name] == "committed":
+                steps[step] = name
+            elif states[name] == "corrupt":
+                corrupt[step] = name
+            else:
+                incomplete.append(name)
+                uncommitted.setdefault(step, []).append(name)
+        elif layout.is_leftover(name):
+            incomplete.append(name)
+            final = layout.parse_tmp_dir(name)
+            tmp_step = None if final is None else layout.parse_step_dir(final)
+            if tmp_step is not None:
+                uncommitted.setdefault(tmp_step, []).append(name)
+        elif not name.startswith(layout.LOCK_PREFIX) and name != layout.RECORDS_FILE:
+            other.append(name)
+    return RootListing(dict(sorted(steps.items())), incomplete, other, dict(sorted(corrupt.items())),
+                       dict(sorted(uncommitted.items())))
+
+
+def list_steps(store: Store) -> dict[int, str]:
+    """Every step a store holds, with its state: ``"committed"`` (a verified ``manifest.json``), ``"corrupt"`` (a
+    ``manifest.json`` that does not verify) or ``"incomplete"`` (no manifest: an upload in progress or a crash's
+    leftover, including ``.tmp-`` folders of rename-commit stores). Raises as :func:`list_root` does."""
+    listing = list_root(store, verify_manifests=True)
+    out = {step: "committed" for step in listing.steps} | {step: "corrupt" for step in listing.corrupt}
+    for step in listing.uncommitted:
+        out.setdefault(step, "incomplete")
+    return dict(sorted(out.items()))
+
+
+#: The remote tier's listing; the same function serves every store.
+list_remote_steps = list_steps
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,12 @@ Invariants:
   a file read whole goes into the (page-aligned) buffer, a scattered one through :mod:`.bounce` buffers (the
   caller's tensors are not aligned the way ``O_DIRECT`` needs), each copied out by the file's hashing task and
   given back only after that; a cached file is read from memory (scattered with vectored ``preadv``);
-- :class:`Prefetch` only asks the store to start reading (a hint, never data we use): it neither allocates nor
-  verifies anything, and a failing or missing file there only ends the prefetch;
 - with hashing threads, a file's reader hands each piece it read to its own hashing task and reads on; the file is
   verified only when that task has hashed every piece, and a read never returns (nor lets its memory go) while its
   hashing task may still touch it;
-- :func:`fetch_file` reads one whole stored file (a compressed one decompressed) into a buffer of its recorded
-  size and never past it; a file of another size is :class:`CorruptCheckpointError`, and its checksum is the
-  caller's to check (:func:`read_file_into` hashes what it fetched);
+- a compressed file is decompressed straight into the buffer, never past its recorded size, and hashed as it goes
+  (:class:`.stream.FileStream`); every file's segment hashing and comparison with the manifest, and the errors that
+  name it, are those of :mod:`.stream`;
 - :func:`start_load` returns while the reads run; whichever of :meth:`PendingLoad.result` and
   :meth:`PendingLoad.cancel` ends it returns only once no read or hash touches the buffer any more.
 """
@@ -44,11 +42,18 @@ from itertools import accumulate
 from .._memory import buffer_address
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.readahead import ReadAhead, each
 from .bounce import BounceBuffers
+from .prefetch import PREFETCH_BYTES as PREFETCH_BYTES  # the names below are part of this module's interface too
+from .prefetch import PREFETCH_CHUNK as PREFETCH_CHUNK
+from .prefetch import Prefetch as Prefetch
+from .stream import FileStream, ends_early_error
+from .stream import fetch_file as fetch_file
+from .stream import mismatch_error as mismatch_error
+from .stream import segment_ends as segment_ends
 from .tasks import results, submit_all
 from .undo import UndoLog
 
@@ -65,10 +70,6 @@ FUSED_BLOCK = 256 << 10
 DIRECT_READ_CHUNK = 32 << 20
 #: Buffers per vectored read (well under every kernel's IOV_MAX of 1024).
 MAX_IOV = 256
-#: Bytes a restore asks the store to prefetch while it parses manifests and plans. Bounded so that a state much
-#: larger than memory does not push out pages it has still to read; a few hundred ms of disk time covers the planning.
-PREFETCH_BYTES = 1 << 30
-PREFETCH_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -140,78 +141,6 @@ def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = N
     return out
 
 
-class Prefetch:
-    """Keeps the disk busy while a restore parses manifests and plans: asks the store to start reading one rank's
-    data files, in the order and parallelism the readers will use (``width`` files at a time, a chunk of each in
-    turn), up to ``budget`` bytes, until :meth:`stop`. Files are found by name in the step folder (the rank manifest
-    is not parsed yet). It runs on its own short-lived thread, so the readers' threads are free the moment they are
-    needed; on stores without ``prefetch_reads`` it does nothing.
-
-    Call order: construct (right after ``manifest.json`` is read) → parse and plan → :meth:`stop` → read.
-    """
-
-    def __init__(self, store: Store, manifest: StepManifest, rank: int, *, width: int,
-                 budget: int | None = None) -> None:
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-        budget = PREFETCH_BYTES if budget is None else budget
-        if store.prefetch_reads and budget > 0:
-            self._thread = threading.Thread(target=self._run, args=(store, manifest, rank, max(1, width), budget),
-                                            name="tierckpt-prefetch", daemon=True)
-            self._thread.start()
-
-    def _run(self, store: Store, manifest: StepManifest, rank: int, width: int, budget: int) -> None:
-        folder = layout.step_dir(manifest.step)
-        try:
-            for ref in manifest.ranks:  # the rank manifest first: it is read (and parsed) before any data file
-                if ref.rank == rank:
-                    store.prefetch(join(folder, ref.name), 0, ref.size)
-            names = layout.data_files_of(store.list(folder), rank, manifest.save_id)
-            for w in range(0, len(names), width):
-                rels = [join(folder, n) for n in names[w : w + width]]
-                wave = [(rel, store.size(rel)) for rel in rels]
-                for offset in range(0, max((size for _, size in wave), default=0), PREFETCH_CHUNK):
-                    for rel, size in wave:
-                        if self._stopped.is_set() or budget <= 0:
-                            return
-                        if offset < size:
-                            n = min(PREFETCH_CHUNK, size - offset)
-                            store.prefetch(rel, offset, n)
-                            budget -= n
-        except Exception as exc:  # a hint: the real reads report any problem with these files
-            log.debug("restore: prefetch of step %d in tier %s stopped: %s", manifest.step, store.tier, exc)
-
-    def stop(self) -> None:
-        """No new prefetch requests from now on (those already queued still complete in the background). Does not
-        wait: the thread ends after the request it is making, if any."""
-        self._stopped.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the prefetch thread has made its last request; whether it has (tests, quiet shutdowns)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
-
-
-def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
-    """Segment boundaries of a data file: the header, then each tensor's range in file order."""
-    f = rm.files[file_index]
-    ranges = sorted((t.offset, t.offset + t.nbytes) for t in rm.tensors if t.file == file_index)
-    ends = [f.data_start]
-    pos = f.data_start
-    for start, end in ranges:
-        if start != pos:
-            raise CorruptCheckpointError(f"tensor ranges of {f.name} leave a gap or overlap", step=rm.step,
-                                         bad_files=[f.name])
-        ends.append(end)
-        pos = end
-    if pos != f.size:
-        raise CorruptCheckpointError(f"tensor ranges of {f.name} do not reach its end", step=rm.step,
-                                     bad_files=[f.name])
-    return ends
-
-
 def check_sizes(store: Store, rm: RankManifest) -> None:
     """Compare every file's size on the store with the manifest before anything is allocated (the sizes asked for
     together on an object store)."""
@@ -232,26 +161,6 @@ def check_sizes(store: Store, rm: RankManifest) -> None:
         if actual != want:
             raise CorruptCheckpointError(f"data file is {actual} bytes, manifest says {want} (truncated or replaced)",
                                          step=rm.step, tier=store.tier, path=f"{store.url}/{rel}", bad_files=[f.name])
-
-
-def ends_early_error(store: Store, rm: RankManifest, index: int, at: int) -> CorruptCheckpointError:
-    """File ``index`` holds fewer bytes than its record: it ends at byte ``at``."""
-    f = rm.files[index]
-    return CorruptCheckpointError(f"{f.name} ends early at byte {at}", step=rm.step, tier=store.tier,
-                                  path=f"{store.url}/{join(layout.step_dir(rm.step), f.name)}", bad_files=[f.name])
-
-
-def mismatch_error(store: Store, rm: RankManifest, index: int, digests: list[bytes]) -> CorruptCheckpointError:
-    f = rm.files[index]
-    folder = layout.step_dir(rm.step)
-    tensors = sorted((t for t in rm.tensors if t.file == index), key=lambda t: (t.offset, t.offset + t.nbytes))
-    what = "header"  # every tensor matching but the file not means the header segment differs
-    for t, d in zip(tensors, digests[1:]):
-        if d.hex() != t.checksum:
-            what = f"tensor {t.path}"
-            break
-    return CorruptCheckpointError(f"checksum mismatch in {f.name} ({what})", step=rm.step, tier=store.tier,
-                                  path=f"{store.url}/{join(folder, f.name)}", bad_files=[f.name])
 
 
 def _pieces(rm: RankManifest, index: int, out: memoryview, direct: dict[int, memoryview]) -> list[memoryview]:
@@ -379,49 +288,6 @@ def _copy_and_hash(seg: hashing.SegmentHasher, pieces: list[memoryview], sources
 _Item = tuple[list[memoryview], "list[int] | None", "list[int | None] | None", "Callable[[], None] | None"]
 
 
-def fetch_file(store: Store, folder: str, record: FileRecord, out: memoryview, *, chunk: int = READ_CHUNK) -> None:
-    """Read the whole file ``record`` of step folder ``folder`` into ``out`` (``len(out) == record.size``),
-    decompressing zstd transparently. Never writes past ``out``; a file that holds (or decompresses to) more or fewer
-    bytes than ``record.size`` raises :class:`CorruptCheckpointError` naming it. Checksums are the caller's job."""
-    view = memoryview(out).cast("B")
-    rel = join(folder, record.name)
-    where = f"{store.url}/{rel}"
-    if len(view) != record.size:
-        raise ValueError(f"buffer of {len(view)} bytes for {record.name} of {record.size} bytes")
-
-    def corrupt(msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{record.name}: {msg}", tier=store.tier, path=where, bad_files=[record.name])
-
-    if record.compression is None:
-        pos = 0
-        with ReadAhead(partial(store.readinto, rel), 0, record.size, chunk=chunk, window=store.read_concurrency,
-                       into=view) as chunks:
-            for _, got in chunks:
-                pos += len(got)
-        if pos < record.size:
-            raise corrupt(f"ends early at byte {pos} of {record.size}")
-        if store.readinto(rel, record.size, memoryview(bytearray(1))):
-            raise corrupt(f"longer than its {record.size} bytes")
-        return
-    if record.compression != "zstd":
-        raise corrupt(f"unknown compression {record.compression!r}")
-    import zstandard
-
-    pos = 0
-    try:
-        with store.open_read(rel) as f:
-            reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=chunk, read_across_frames=False)
-            while pos < record.size:
-                n = reader.readinto(view[pos : pos + chunk])
-                if n <= 0:
-                    raise corrupt(f"decompresses to {pos} bytes, fewer than {record.size}")
-                pos += n
-            if reader.read(1):
-                raise corrupt(f"decompresses to more than {record.size} bytes")
-    except zstandard.ZstdError as exc:
-        raise corrupt(f"damaged zstd stream: {exc}") from None
-
-
 def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
                    direct: dict[int, memoryview] | None = None, *, hash_executor: Executor | None = None,
                    stop: threading.Event | None = None, bounce: BounceBuffers | None = None,
@@ -437,23 +303,20 @@ def read_file_into(store: Store, rm: RankManifest, index: int, out: memoryview,
     ``out``) just before the range is written; such a file must scatter (a local, uncompressed file).
     """
     f = rm.files[index]
-    rel = join(layout.step_dir(rm.step), f.name)
-    seg = hashing.SegmentHasher(segment_ends(rm, index))
+    stream = FileStream(store, rm, index)
     mine = {i: v for i, v in (direct or {}).items() if rm.tensors[i].file == index}
     scatter = bool(mine) and store.local_path is not None and not f.compression
     if undo is not None and mine and not scatter:
         raise ValueError(f"a guarded restore reads {f.name} in place, but it cannot be read straight into tensors")
     if f.compression:
-        fetch_file(store, layout.step_dir(rm.step), f, out)
-        seg.feed(out)
+        stream.run(into=out, chunk=READ_CHUNK)
     else:
-        hasher = _Hashing(seg, hash_executor, undo)
+        hasher = _Hashing(stream.seg, hash_executor, undo)
         try:
-            _read_pieces(store, rm, index, rel, out, mine if scatter else None, hasher, stop, bounce, undo)
+            _read_pieces(store, rm, index, stream.rel, out, mine if scatter else None, hasher, stop, bounce, undo)
         finally:
             hasher.finish()
-    if seg.file_checksum() != f.checksum:
-        raise mismatch_error(store, rm, index, seg.digests)
+    stream.verify()
     if mine and not scatter:  # verified in ``out``: now hand the tensors their bytes
         for i, view in mine.items():
             t = rm.tensors[i]

@@ -16,17 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from functools import partial
 from typing import Any
 
 from .. import faults
 from ..errors import CorruptCheckpointError
-from ..format import hashing, layout
+from ..format import layout
 from ..format.manifest import FileRecord, RankManifest
 from ..storage.base import Store, join
-from ..storage.readahead import ReadAhead
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy
-from .reader import segment_ends
+from .stream import FileStream
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +190,6 @@ def run_jobs(pool: ThreadPoolExecutor, ctx: Transfer, jobs: list[tuple[str, Call
     return [f.result() for f in order]
 
 
-def _zstd_error() -> type[BaseException]:
-    try:
-        import zstandard
-    except ImportError:  # pragma: no cover - zstandard is a dependency
-        return ValueError
-    return zstandard.ZstdError
-
-
 def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, index: int, staging: str, *,
                  chunk: int, compression: str | None, level: int, verify: bool) -> tuple[FileRecord, int, int]:
     """One attempt at one data file: stream, compress, write, check. Returns (remote record, read, written)."""
@@ -207,7 +197,8 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
     src = join(layout.step_dir(rm.step), rec.name)
     dst = join(staging, rec.name)
     compress = compression == "zstd" and rec.compression is None
-    src_hash = hashing.SegmentHasher(segment_ends(rm, index)) if verify and rec.compression is None else None
+    # the local bytes are read the uploader's way (page-aligned, around the page cache) and checked as they go
+    src_check = FileStream(local, rm, index) if verify and rec.compression is None else None
     cobj = None
     if compress:
         import zstandard
@@ -220,9 +211,9 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
         for data in local.iter_chunks(src, chunk, reuse=True):  # each chunk is done with before the next
             ctx.check()
             read += len(data)
-            if src_hash is not None:
+            if src_check is not None:
                 try:
-                    src_hash.feed(data)
+                    src_check.feed(data)
                 except ValueError:
                     pass  # longer than the manifest says: caught by the size check below
             if ctx.progress is not None:
@@ -239,7 +230,7 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
             ctx.throttle(len(out))
             w.write(out)
             written += len(out)
-        if read != expected_src or (src_hash is not None and src_hash.file_checksum() != rec.checksum):
+        if read != expected_src or (src_check is not None and not src_check.matches()):
             raise CorruptCheckpointError("local data file does not match its manifest", step=rm.step, tier=local.tier,
                                          path=url_of(local, src), bad_files=[rec.name])
         w.close()
@@ -257,31 +248,14 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
 
 def _verify_remote(remote: Store, rel: str, rm: RankManifest, index: int, rec: FileRecord, chunk: int,
                    ctx: Transfer) -> None:
-    """Re-read an uploaded file and match its (decompressed) two-level checksum; :class:`Mismatch` if not."""
-    seg = hashing.SegmentHasher(segment_ends(rm, index))
-    total = 0
+    """Re-read an uploaded file (its stored form ``rec`` at ``rel``) and match its (decompressed) two-level
+    checksum; :class:`Mismatch` if not (the file is uploaded again)."""
+    stream = FileStream(remote, rm, index, record=rec, rel=rel)
     try:
-        if rec.compression == "zstd":
-            import zstandard
-
-            with remote.open_read(rel) as f:
-                reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=chunk)
-                while True:
-                    ctx.check()
-                    data = reader.read(chunk)
-                    if not data:
-                        break
-                    total += len(data)
-                    seg.feed(data)
-        else:  # one byte more than the record: a longer object fails the segments; reads in flight on object stores
-            with ReadAhead(partial(remote.readinto, rel), 0, rec.size + 1, chunk=chunk, window=remote.read_concurrency,
-                           check=ctx.check) as chunks:
-                for _, view in chunks:
-                    total += len(view)
-                    seg.feed(view)
-    except (ValueError, _zstd_error()) as exc:  # more bytes than the segments cover, or a damaged frame
-        raise Mismatch(f"{url_of(remote, rel)} does not read back intact: {exc}") from None
-    if total != rec.size or seg.file_checksum() != rec.checksum:
+        stream.run(chunk=chunk, check=ctx.check)  # reads in flight on object stores; a longer object fails
+    except CorruptCheckpointError as exc:  # short, long, or a damaged frame
+        raise Mismatch(f"{url_of(remote, rel)} does not read back intact: {exc.detail}") from None
+    if not stream.matches():
         raise Mismatch(f"{url_of(remote, rel)} reads back with a different checksum")
 
 

@@ -1,4 +1,4 @@
-"""Replication of committed steps from the local tier to the remote tier, and the remote-side helpers.
+"""Replication of committed steps from the local tier to the remote tier.
 
 :func:`replicate_step` copies one committed local step to a remote store; the manager calls it from its upload
 thread, ``tierckpt sync`` from the command line. Invariants:
@@ -36,13 +36,16 @@ from typing import Any
 from .. import faults
 from ..errors import CheckpointError, CorruptCheckpointError, UploadError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for, read_step_manifest
 from ..storage.fsspec_store import DEFAULT_PART_SIZE
-from ..storage.readahead import each
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy, is_transient
+from .listing import list_remote_steps as list_remote_steps  # step listings and changes, imported from here too
+from .listing import list_steps as list_steps
 from .reader import check_sizes, read_manifests
+from .steps import delete_step as delete_step
+from .steps import set_aside as set_aside
 from .transfer import (
     TokenBucket,
     Transfer,
@@ -181,7 +184,7 @@ def replicate_step(
                 records = tuple(rec for rec, _r, _w in outcomes)
                 if records != rm.files:
                     raw = dataclasses.replace(rm, files=records).to_bytes()
-                    ref = RankRef(ref.rank, ref.name, len(raw), hashing.digest(raw).hex())
+                    ref = dataclasses.replace(ref, size=len(raw), checksum=hashing.digest(raw).hex())
                 new_refs.append(ref)
                 rel = join(staging, ref.name)
                 rank_jobs.append((rel, bytes_job(remote, ctx, rel, raw, "write rank manifest", verify)))
@@ -265,82 +268,3 @@ def _fail(ctx: Transfer, protocol: Any, local: Store, remote: Store, staging: st
     url = url_of(remote, rel)
     log.error("step %d, tier %s: replication failed at %s: %s", step, remote.tier, url, why)
     return UploadError(f"cannot replicate to {remote.url}: {why} ({url})", step=step, tier=remote.tier, path=url)
-
-
-# --- reading and managing steps on a store --------------------------------------------------------------------------
-def list_steps(store: Store) -> dict[int, str]:
-    """Every step a store holds, with its state: ``"committed"`` (a verified ``manifest.json``), ``"corrupt"`` (a
-    ``manifest.json`` that does not verify) or ``"incomplete"`` (no manifest: an upload in progress or a crash's
-    leftover, including ``.tmp-`` folders of rename-commit stores)."""
-    names = store.list("")
-    folders = {step: name for name in names if (step := layout.parse_step_dir(name)) is not None}
-
-    def state(item: tuple[int, str]) -> str:
-        try:
-            return "committed" if read_step_manifest(store, item[1], item[0]) is not None else "incomplete"
-        except CorruptCheckpointError:
-            return "corrupt"
-
-    # one manifest read per step, issued together on an object store
-    out = dict(zip(folders, each(state, list(folders.items()), concurrency=store.read_concurrency)))
-    for name in names:  # temporary folders of rename-commit stores: an upload in progress or a leftover
-        final = layout.parse_tmp_dir(name)
-        tmp_step = None if final is None else layout.parse_step_dir(final)
-        if tmp_step is not None:
-            out.setdefault(tmp_step, "incomplete")
-    return dict(sorted(out.items()))
-
-
-#: The remote tier's listing; the same function serves every store.
-list_remote_steps = list_steps
-
-
-def set_aside(store: Store, step: int) -> None:
-    """Make committed ``step`` of ``store`` stop being a checkpoint, keeping its data (a rollback).
-
-    Rename-commit stores: the folder becomes ``aside-step-<N>-<id>`` in one atomic rename. Object stores:
-    ``manifest.json`` is copied to ``manifest.aside.json`` and then removed (the folder is then an uncommitted
-    leftover that ``tierckpt prune --leftovers`` removes)."""
-    folder = layout.step_dir(step)
-    if store.atomic_rename:
-        if store.exists(folder):
-            store.replace_dir(folder, layout.aside_dir(folder))
-            store.sync_dir("")
-    else:
-        manifest = join(folder, layout.STEP_MANIFEST)
-        try:
-            raw = store.read_bytes(manifest, max_size=MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return
-        store.write_bytes(join(folder, layout.ASIDE_MANIFEST), raw)
-        store.remove(manifest)
-    log.warning("step %d, tier %s: set aside at %s (rollback): no longer a checkpoint, data kept", step, store.tier,
-                url_of(store, folder))
-
-
-def delete_step(store: Store, step: int) -> None:
-    """Remove a step from a store (retention) so that it stops being a checkpoint before any of its data goes.
-
-    POSIX stores: the folder is renamed to a ``.trash-`` name in one atomic step (start-up recovery removes what a
-    crash leaves of it). Object stores: ``manifest.json`` first (a crash half-way leaves an incomplete folder, never
-    a corrupt checkpoint), then the rest."""
-    folder = layout.step_dir(step)
-    if store.atomic_rename:
-        if not store.exists(folder):
-            return
-        trash = layout.trash_dir(folder)
-        store.replace_dir(folder, trash)
-        store.sync_dir("")
-        faults.point("retention")
-        store.remove(trash)
-        log.info("step %d, tier %s: deleted %s", step, store.tier, url_of(store, folder))
-        return
-    store.remove(join(folder, layout.STEP_MANIFEST))
-    try:
-        store.sync_dir(folder)
-    except FileNotFoundError:
-        pass
-    faults.point("retention")
-    store.remove(folder)
-    store.sync_dir("")
-    log.info("step %d, tier %s: deleted %s", step, store.tier, url_of(store, folder))

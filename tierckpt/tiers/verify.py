@@ -10,18 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TypeVar
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, StorageError
-from ..format import hashing, layout
+from ..format import layout
 from ..format.manifest import RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.failures import with_deadline
-from ..storage.readahead import ReadAhead, each
 from . import reader
-from .reader import ends_early_error, mismatch_error, read_manifests, segment_ends
+from .listing import RootListing as RootListing  # the root's listing, imported from here too
+from .listing import list_root as list_root
+from .reader import read_manifests
+from .stream import stream_file
 
 T = TypeVar("T")
 
@@ -50,61 +51,21 @@ class StepReport:
         }
 
 
-@dataclass(frozen=True)
-class RootListing:
-    steps: dict[int, str]  # step -> folder name of committed-looking step folders (manifest present)
-    incomplete: list[str]  # step folders without a manifest, and our temporary folders
-    other: list[str]
-
-
-def list_root(store: Store) -> RootListing:
-    """The root's step folders that hold a ``manifest.json`` (one request each, issued together on object stores),
-    the leftovers of unfinished saves, and anything else."""
-    steps: dict[int, str] = {}
-    incomplete: list[str] = []
-    other: list[str] = []
-    names = store.list("")
-    folders = [name for name in names if layout.parse_step_dir(name) is not None]
-    has_manifest = dict(zip(folders, each(store.exists, [join(name, layout.STEP_MANIFEST) for name in folders],
-                                          concurrency=store.read_concurrency)))
-    for name in names:
-        step = layout.parse_step_dir(name)
-        if step is not None:
-            if has_manifest[name]:
-                steps[step] = name
-            else:
-                incomplete.append(name)
-        elif layout.is_leftover(name):
-            incomplete.append(name)
-        elif not name.startswith(layout.LOCK_PREFIX) and name != layout.RECORDS_FILE:
-            other.append(name)
-    return RootListing(dict(sorted(steps.items())), incomplete, other)
-
-
 def verify_file(store: Store, rm: RankManifest, index: int, progress: Callable[[int], None] | None = None) -> None:
+    """Stream data file ``index`` of ``rm`` and match it against the manifest (:func:`.stream.stream_file`);
+    ``progress(n)`` gets the bytes read as they go (a compressed file's stored size once it is checked).
+
+    Raises :class:`CorruptCheckpointError` naming the file when it is short, damaged or does not match."""
     f = rm.files[index]
     if f.compression:
-        from .reader import read_file_into
-
-        read_file_into(store, rm, index, memoryview(bytearray(f.size)))
+        stream_file(store, rm, index, chunk=reader.READ_CHUNK)
         if progress:
             progress(f.stored_size or f.size)
         return
-    rel = join(layout.step_dir(rm.step), f.name)
-    seg = hashing.SegmentHasher(segment_ends(rm, index))
-    pos = 0
-    # bounded memory: at most read_concurrency + 1 chunk buffers (one on a local disk)
-    with ReadAhead(partial(store.readinto, rel), 0, f.size, chunk=min(reader.READ_CHUNK, max(f.size, 1)),
-                   window=store.read_concurrency) as chunks:
-        for _, view in chunks:
-            seg.feed(view)
-            pos += len(view)
-            if progress:
-                progress(len(view))
-    if pos < f.size:
-        raise ends_early_error(store, rm, index, pos)
-    if seg.file_checksum() != f.checksum:
-        raise mismatch_error(store, rm, index, seg.digests)
+    # bounded memory: at most read_concurrency + 1 chunk buffers (one on a local disk); bytes past the recorded
+    # size are not looked for (the restore checks every file's size before it reads)
+    stream_file(store, rm, index, chunk=reader.READ_CHUNK, exact=False,
+                sink=None if progress is None else (lambda view: progress(len(view))))
 
 
 def verify_step(
