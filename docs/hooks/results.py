@@ -330,10 +330,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "local-2g", "The local tier at 2 GiB", rf"cpu_{_TAG}_bench_2g_run\d+\.json",
         (".venv/bin/python benchmarks/bench.py --size-gib 2 --repeats 5 --no-s3 --out bench_2g.json",),
         f"`bench.py` on {VM}, run three times: every system (`torch.save`, safetensors, DCP `save`, `async_save` "
-        "with and without `DefaultStager`, tierckpt) saves and loads the 2 GiB state, cases interleaved, five "
-        "repeats a run; medians per run. Each steady-state save and each cold restore is paired with a raw "
-        "`O_DIRECT` write or read of the same bytes timed next to it (\"adjacent\"); the run's own raw limits are "
-        "the fastest of its raw ways. `.venv/bin/python benchmarks/targets.py` prints the same ratios.",
+        "with and without `DefaultStager`, tierckpt) saves the 2 GiB state and, but for `async_save`, loads it "
+        "back, cases interleaved, five repeats a run; medians per run. Each steady-state save and each cold "
+        "restore is paired with a raw `O_DIRECT` write or read of the same bytes timed next to it (\"adjacent\"); "
+        "the run's own raw limits are the fastest of its raw ways. `.venv/bin/python benchmarks/targets.py` prints "
+        "the same ratios.",
         _bench),
     Benchmark(
         "restart", "A restart: restore, then the first save", rf"cpu_{_TAG}_restart\.json",
