@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (sets up .venv on first use). Extra arguments go to pytest, e.g. scripts/test.sh -k verify
+# Runs the whole test suite, the documentation site's strict build included (sets up .venv on first use). Extra arguments go to pytest, e.g. scripts/test.sh -k verify
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
-.venv/bin/ruff check tierckpt tests benchmarks examples
+.venv/bin/ruff check tierckpt tests benchmarks examples docs
 .venv/bin/mypy  # strict type checks of format/ and storage/ (pyproject.toml [tool.mypy])
 # the native host copy (tierckpt/_hostcopy.c) is optional for users, but here it must have been built
 export TIERCKPT_EXPECT_NATIVE=1

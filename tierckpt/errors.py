@@ -23,7 +23,14 @@ __all__ = [
 
 
 class CheckpointError(Exception):
-    """Root of every error tierckpt raises on purpose."""
+    """Root of every error tierckpt raises on purpose.
+
+    Attributes:
+        step: the step concerned, or None.
+        tier: the tier concerned (``"local"``, ``"remote"``, ``"cli"``), or None.
+        path: the file, folder or URL concerned (credentials removed), or None.
+        detail: the message without the ``[step ..., tier ..., path ...]`` suffix that ``str()`` adds.
+    """
 
     def __init__(
         self,
@@ -60,7 +67,9 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """A checkpoint exists but fails verification: bad checksum, truncated, missing file or malformed manifest."""
+    """A checkpoint exists but fails verification: bad checksum, truncated, missing file or malformed manifest.
+
+    ``bad_files`` lists the files found damaged or missing (names or paths, as the check found them)."""
 
     def __init__(self, message: str, *, bad_files: list[str] | None = None, **kw) -> None:
         super().__init__(message, **kw)

@@ -10,7 +10,20 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class SaveRecord:
-    """Timings and sizes of one save; fields stay None until their stage completes."""
+    """Timings and sizes of one save; fields stay None until their stage completes.
+
+    Attributes:
+        step: the step saved.
+        bytes / tensors / files: tensor bytes, tensors and data files of this rank's part of the step.
+        stall_s: seconds ``save()`` blocked its caller.
+        persist_s: seconds from ``save()`` until durable in the local tier (None: not yet, or the local save
+            failed).
+        upload_s: seconds from ``save()`` until committed in the remote tier (None: not yet, no remote tier, or the
+            upload failed or was skipped).
+        started: ``time.time()`` when ``save()`` was called.
+        error: the error of a failed local save or upload, as text.
+        upload_skipped: why the step was never uploaded.
+    """
 
     step: int
     bytes: int = 0
@@ -27,9 +40,11 @@ class SaveRecord:
 
     @property
     def persist_gbps(self) -> float | None:
+        """Bytes over ``persist_s``, in GB/s (10^9 bytes a second); None while ``persist_s`` is unknown."""
         return self.bytes / self.persist_s / 1e9 if self.persist_s else None
 
     def to_json(self) -> str:
+        """The record as one line of JSON, ``persist_gbps`` included (a line of ``saves.jsonl``)."""
         d = asdict(self)
         d["persist_gbps"] = self.persist_gbps
         return json.dumps(d, allow_nan=False)
@@ -56,6 +71,7 @@ class SaveHandle:
         self._t0 = time.perf_counter()
 
     def elapsed(self) -> float:
+        """Seconds since ``save()`` was called."""
         return time.perf_counter() - self._t0
 
     def record(self) -> SaveRecord:
@@ -63,6 +79,8 @@ class SaveHandle:
         return SaveRecord(**asdict(self._record))
 
     def done(self) -> bool:
+        """Whether the save is resolved in every tier: ``persisted`` and ``uploaded`` are both done (with a result
+        or an exception)."""
         return self.persisted.done() and self.uploaded.done()
 
     def __repr__(self) -> str:

@@ -1,10 +1,12 @@
 """Hugging Face ``transformers.Trainer`` integration: asynchronous tiered checkpoints and resume through tierckpt.
 
-Use (docs/huggingface.md)::
+Use (docs/huggingface.md):
 
-    cb = TieredCheckpointCallback("/local_nvme/ckpt", remote="s3://bucket/run", save_steps=500)
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[cb])   # args.save_strategy="no"
-    tierckpt.hf.train(trainer)       # resumes from the newest intact tierckpt step in any tier, else starts fresh
+```python
+cb = TieredCheckpointCallback("/local_nvme/ckpt", remote="s3://bucket/run", save_steps=500)
+trainer = Trainer(model, args, train_dataset=ds, callbacks=[cb])   # args.save_strategy="no"
+tierckpt.hf.train(trainer)       # resumes from the newest intact tierckpt step in any tier, else starts fresh
+```
 
 Saving: every ``save_steps`` optimizer steps (and at the last step) the callback hands the model, optimizer, LR
 scheduler, the ``TrainerState`` (as JSON) and the Python/numpy/torch RNG states to
@@ -210,6 +212,12 @@ class TieredCheckpointCallback(TrainerCallback):
         The folder holds only ``trainer_state.json``; the weights, optimizer, scheduler, grad scaler and RNG states
         come from the loaded step when HF asks for them. A step older than the newest committed one (the newer ones
         failed verification in every tier) is made the newest with ``rollback_to`` so that saving can go on.
+
+        Raises:
+            NotImplementedError: a DeepSpeed or FSDP trainer.
+            ValueError: the loaded step was not saved by a ``TieredCheckpointCallback``.
+            CorruptCheckpointError: committed steps exist but none verifies in any tier.
+            StorageError: a tier could not be listed and no other holds a step.
         """
         if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
             raise NotImplementedError("TieredCheckpointCallback resume does not support DeepSpeed or FSDP trainers")
@@ -396,7 +404,15 @@ def _find_callback(trainer: Any) -> TieredCheckpointCallback:
 
 def train(trainer: Any, **train_kwargs: Any) -> Any:
     """``trainer.train()`` resumed from the newest intact tierckpt step in any tier (or from scratch when there
-    is none). ``train_kwargs`` go to ``Trainer.train`` (not ``resume_from_checkpoint``)."""
+    is none); returns what ``Trainer.train`` returns. ``train_kwargs`` go to ``Trainer.train`` (not
+    ``resume_from_checkpoint``).
+
+    Raises:
+        TypeError: ``resume_from_checkpoint`` in ``train_kwargs``.
+        ValueError: the trainer does not have exactly one :class:`TieredCheckpointCallback`.
+        NotImplementedError, CorruptCheckpointError, StorageError: as
+            :meth:`TieredCheckpointCallback.prepare_resume`.
+    """
     if "resume_from_checkpoint" in train_kwargs:
         raise TypeError("tierckpt.hf.train chooses resume_from_checkpoint itself")
     callback = _find_callback(trainer)

@@ -195,6 +195,18 @@ class TieredCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------------------------------------ save
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` as step ``checkpoint["global_step"]`` and write the JSON marker at ``path``; returns
+        once the snapshot is copied (:attr:`last_handle` follows the write and the upload). A second call at the
+        same step writes only its marker. A save below a newer committed step after resuming from an older one
+        calls ``rollback_to(<the loaded step>)`` first, with a warning.
+
+        Raises:
+            TypeError: ``storage_options`` given (set the manager's ``storage_options`` instead), or a value of
+                the checkpoint that tierckpt cannot store (nothing is pickled).
+            ValueError: ``global_step`` is not a non-negative int.
+            CheckpointError: what :meth:`CheckpointManager.save` raises (a closed manager, a step not after the
+                last one, a failed local save, a rollback not following a resume).
+        """
         if storage_options is not None:
             raise TypeError("TieredCheckpointIO.save_checkpoint does not take storage_options (set the manager's "
                             "storage_options when creating the plug-in)")
@@ -252,6 +264,18 @@ class TieredCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------------------------------------ load
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict saved for ``path``: the newest intact step for a ``last.ckpt`` / ``last-vN.ckpt``
+        name; else the marker's step (without a marker: the step this process saved under ``path``, or ``step=N``
+        in the file name), or the newest intact older step, with a warning, when no tier holds that one intact.
+        Tensors are on the CPU unless ``map_location`` names a device; ``weights_only`` is ignored (nothing is
+        unpickled). Ranks other than 0 of a multi-process job read what rank 0 saved without its folder lock.
+
+        Raises:
+            FileNotFoundError: ``path`` is no marker, holds no ``step=N`` and was not saved by this process.
+            CheckpointError: no tier holds the step or an older one intact (a ``CheckpointNotFoundError`` for a
+                ``last.ckpt`` name when nothing is committed).
+            StorageError: a tier could not be listed and no other holds the step.
+        """
         path = _norm(path)
         marker = _read_marker(path)
         mgr = self._loader()
@@ -402,9 +426,11 @@ class TieredCheckpointLogger(Callback):
         return len(records)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log the records resolved since the last batch (see :meth:`log_records`)."""
         self.log_records(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Log the records left, first waiting for the pending saves' records when ``wait_on_train_end``."""
         io = self._io(trainer)
         if io is None:
             return

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a :class:`~tierckpt.CheckpointManager`'s saves and tiers (docs/usage.md, "Metrics").
+"""Prometheus metrics of a :class:`~tierckpt.CheckpointManager`'s saves and tiers (docs/metrics.md).
 
 ```python
 from tierckpt.metrics import PrometheusMetrics

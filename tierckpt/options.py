@@ -11,6 +11,13 @@ from .storage.fsspec_store import DEFAULT_PART_SIZE
 
 @dataclass(frozen=True)
 class Options:
+    """The keyword-only options of :class:`~tierckpt.CheckpointManager` and their defaults, checked once.
+
+    The manager builds one from its keywords (``mgr.options``); each field is the keyword of the same name, and the
+    manager's signature takes its defaults from here. Raises ``ValueError`` naming the option for a value out of
+    range or of the wrong type. What each option does and costs: the documentation's tuning page.
+    """
+
     keep_local: int = 2
     keep_remote: int | None = None
     keep_every: int | None = None
@@ -86,6 +93,8 @@ def check_metadata(metadata: Any) -> Any:
 
 
 def check_storage_options(storage_options: Any) -> dict[str, Any] | None:
+    """A copy of ``storage_options`` (the fsspec options of the remote tier), or None; ``ValueError`` for anything
+    but a dict or None."""
     if storage_options is None:
         return None
     if not isinstance(storage_options, dict):

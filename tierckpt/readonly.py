@@ -40,6 +40,7 @@ class Reader:
         self.hash = ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-read-hash")
 
     def close(self) -> None:
+        """Stop the threads, once their work is done."""
         self.io.shutdown(wait=True)
         self.hash.shutdown(wait=True)
 

@@ -71,6 +71,7 @@ class Health:
         return self.consecutive_failures == 0
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``waiting`` as a list), with ``ok``."""
         return {**self.__dict__, "waiting": list(self.waiting), "ok": self.ok}
 
 
