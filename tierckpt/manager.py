@@ -72,7 +72,7 @@ def _record_hooks(on_record: Any) -> tuple[Callable[[SaveRecord], None], ...]:
 
 
 class CheckpointManager:
-    """Asynchronous tiered checkpointing. See README.md for the tour and docs/ for the format and guarantees.
+    """Asynchronous tiered checkpointing: the one object a training loop uses (docs/getting-started.md is the guide).
 
     Args:
         local_dir: node-local folder (NVMe) for the fast tier; created if missing.
@@ -278,7 +278,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], metadata: Any = None) -> SaveHandle:
-        """Snapshot ``state`` into host buffers and return; persisting and uploading continue in the background."""
+        """Snapshot ``state`` into host buffers and return; persisting and uploading continue in the background.
+
+        Remote errors are never raised here (see :meth:`wait`, :meth:`health`).
+
+        Returns:
+            a :class:`SaveHandle` whose futures resolve as the step is staged, committed locally and uploaded.
+
+        Raises:
+            ValueError: ``step`` is not a non-negative int.
+            CheckpointError: ``step`` is not after the last step saved, or an earlier step's local save failed
+                (raised once).
+            RollbackError: a newer step is committed and :meth:`rollback_to` was not called.
+            TypeError: a value cannot be stored (named by its key path).
+        """
         # a save builds a few objects per tensor and none in cycles: no collection pass in the middle (see _gc)
         with _gc.paused():
             return self._save(step, state, metadata)
@@ -381,7 +394,11 @@ class CheckpointManager:
         in-place restore at a restart; pinning a large GPU state's buffer takes longer). Optional; call it once the
         state has its final layout: after the optimizer's first step (AdamW creates its moments there) or after
         ``restore()``. Returns a future of the seconds it took; a ``save()`` that comes first waits for it, and one
-        whose state has grown since grows the buffer itself."""
+        whose state has grown since grows the buffer itself.
+
+        Raises:
+            CheckpointError: the manager is closed.
+            TypeError: a value of ``state`` cannot be stored."""
         self._check_open()
         self.snapshot_barrier()  # a lazy snapshot being planned on the snapshot thread sees the plan it made
         flat = self._flatten(state)
@@ -510,7 +527,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------------ policy
     def install_signal_handlers(self, signals=DEFAULT_SIGNALS) -> None:
         """On SIGTERM/SIGUSR1 (Slurm's ``--signal``), make :attr:`preempted` and :meth:`should_save` true, so the
-        loop takes one last checkpoint at its next step boundary; ``close()`` then makes it durable."""
+        loop takes one last checkpoint at its next step boundary; ``close()`` then makes it durable.
+
+        Raises:
+            RuntimeError: when called off the main thread (Python installs signal handlers there only)."""
         self._preemption.install(signals)
 
     @property
@@ -528,7 +548,12 @@ class CheckpointManager:
         fut.add_done_callback(self._pending.discard)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is durable on every configured tier; re-raise background errors once."""
+        """Block until every pending save is durable on every configured tier; re-raise background errors once.
+
+        Raises:
+            TimeoutError: work is still pending after ``timeout`` seconds.
+            CheckpointError: a background save failed, or an upload (:class:`UploadError`; the local copy is
+                kept)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             pending = list(self._pending)
@@ -570,7 +595,17 @@ class CheckpointManager:
         (staged). ``in_place=True`` reads CPU tensors' bytes straight into them and saves nothing (no state-sized
         buffer; the lean choice at start-up): still verified before this returns, a corrupt copy is still replaced
         by the next one, but if no copy verifies, those tensors are left partly overwritten. All read files that
-        are not in the page cache around it (``direct_io``); see docs/benchmarks.md for their times.
+        are not in the page cache around it (``direct_io``).
+
+        Returns:
+            the step restored, the same on every rank, or None when no tier holds a checkpoint.
+
+        Raises:
+            StateMismatchError: ``state`` does not match the checkpoint (a key, shape or dtype, named).
+            CheckpointNotFoundError: ``step`` is given and no tier holds it.
+            CorruptCheckpointError: no copy of any step verifies.
+            StorageError: a tier that may hold the checkpoint could not be read (never None then).
+            ValueError: a bad argument.
         """
         self._check_open()
         if not isinstance(in_place, bool):
@@ -791,7 +826,10 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed", path=self.local.url)
 
     def close(self, *, timeout: float | None = None) -> None:
-        """Wait for pending work, stop the background threads and release the folder. Idempotent."""
+        """Wait for pending work, stop the background threads and release the folder. Idempotent.
+
+        Raises:
+            CheckpointError: as :meth:`wait` (the threads stop and the folder is released all the same)."""
         if self._closed:
             return
         try:

@@ -18,12 +18,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepInfo:
+    """One step as :meth:`CheckpointManager.steps <tierckpt.CheckpointManager.steps>` reports it: where it
+    is committed and how large it is."""
+
     step: int
+    #: committed in the local tier / the remote tier
     local: bool
     remote: bool
     #: "local", "remote", "local+remote", "uploading" (local, upload queued or running), "upload-failed" (local,
     #: its last upload failed; retried at the next start or by ``tierckpt sync``), "failed" (manifest unreadable)
     state: str
+    #: bytes of every rank's shards, the step's creation time (seconds since the epoch) and world size, from its
+    #: manifest (None where unreadable)
     bytes: int | None
     created: float | None
     world_size: int | None = None
