@@ -420,7 +420,16 @@ def test_manifest_encoding_is_the_dataclass_encoding() -> None:
                       total_bytes=4122, holds_ranks=(1,))
     want = dataclasses.asdict(sm)
     want["format"] = FORMAT + ".step"
+    # a rank's mesh index is written only where it has one (no DTensor shards: the entry is as it always was)
+    want["ranks"] = [{k: v for k, v in r.items() if k != "mesh"} for r in want["ranks"]]
     assert sm.to_bytes() == _seal(want)
+    indexed = dataclasses.replace(sm, ranks=(RankRef(0, "r0", 10, "00", (("2", (0,)),)), RankRef(1, "r1", 11, "11")))
+    want = dataclasses.asdict(indexed)
+    want["format"] = FORMAT + ".step"
+    want["ranks"][0]["mesh"] = {"2": [0]}
+    del want["ranks"][1]["mesh"]
+    assert indexed.to_bytes() == _seal(want)
+    assert StepManifest.from_bytes(indexed.to_bytes()) == indexed
 
 
 def test_manifest_bytes_are_the_checksum_then_the_canonical_json() -> None:
