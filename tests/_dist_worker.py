@@ -269,7 +269,7 @@ def scenario_posix2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
         local = root / "shared"
         sremote = root / "sremote"
         mgr = CheckpointManager(local, remote=sremote, collective_timeout_s=T)
-        topo = mgr._coord.topology
+        topo = mgr.components.coordinator.topology
         saved = save_steps(mgr, rank, [1, 2])
         steps = steps_of(mgr)
         mgr.close()
@@ -311,7 +311,7 @@ def scenario_world4(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
 
     def roundtrip():
         mgr = CheckpointManager(node, remote=remote, collective_timeout_s=T)
-        topo = mgr._coord.topology
+        topo = mgr.components.coordinator.topology
         saved = save_steps(mgr, rank, [1, 2])
         steps = steps_of(mgr)
         mgr.close()

@@ -78,7 +78,7 @@ def test_an_in_place_restore_of_an_uncached_step_reads_through_the_bounce_buffer
     sizes = _spy_direct(monkeypatch)
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(out, in_place=True) == 1
-        assert mgr._engine.bounce.free() == mgr._engine.bounce.count  # every buffer came back
+        assert mgr.components.engine.bounce.free() == mgr.components.engine.bounce.count  # every buffer came back
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
         assert out[k].data_ptr() == live[k], f"{k} was replaced instead of filled in place"
@@ -104,7 +104,8 @@ def test_a_cached_step_restores_in_place_without_them(tmp_path, monkeypatch):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(out, in_place=True) == 1
-        assert mgr._engine.bounce is not None and mgr._engine.bounce._map is None  # never used, so never allocated
+        bounce = mgr.components.engine.bounce
+        assert bounce is not None and not bounce.allocated  # never used, so never allocated
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
     assert sizes == []
@@ -117,7 +118,7 @@ def test_direct_io_off_restores_in_place_buffered(tmp_path, monkeypatch):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     with CheckpointManager(tmp_path, direct_io=False) as mgr:
         assert mgr.restore(out, in_place=True) == 1
-        assert mgr._engine.bounce is None
+        assert mgr.components.engine.bounce is None
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
     assert sizes == []
@@ -138,7 +139,7 @@ def test_a_flipped_byte_read_through_the_bounce_buffers_is_found_and_named(tmp_p
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CorruptCheckpointError) as ei:
             mgr.restore(out, step=1, in_place=True)
-        assert mgr._engine.bounce.free() == mgr._engine.bounce.count
+        assert mgr.components.engine.bounce.free() == mgr.components.engine.bounce.count
     assert big.name in str(ei.value) and "tensor" in str(ei.value)
     assert "in_place=True" in str(ei.value)  # says the state was partly overwritten
 
@@ -160,7 +161,7 @@ def test_a_failing_direct_read_ends_the_restore_and_gives_every_buffer_back(tmp_
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(Exception, match="injected"):
             mgr.restore(out, step=1, in_place=True)
-        assert mgr._engine.bounce.free() == mgr._engine.bounce.count
+        assert mgr.components.engine.bounce.free() == mgr.components.engine.bounce.count
         monkeypatch.setattr(local_mod.LocalStore, "readinto_direct", real)
         assert mgr.restore(out, step=1, in_place=True) == 1  # the same manager, the same buffers: now it works
     for k in state:
@@ -296,9 +297,9 @@ def test_a_manager_that_has_saved_cuts_the_bounce_buffers_from_its_ready_staging
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     with CheckpointManager(tmp_path, file_size_mb=2) as mgr:
         _save_in(mgr, state, 1)
-        slot = mgr._pool._slots[0]
+        slot = mgr.components.staging.slots[0]
         lo, hi = slot.buffer.data_ptr(), slot.buffer.data_ptr() + slot.capacity
-        allocations = mgr._pool.allocations
+        allocations = mgr.components.staging.allocations
         files = evict_data_files(step_path(tmp_path, 1))
         seen: list[int] = []  # where each read through a bounce buffer went (a read of SMALL bytes)
         real_read = local_mod.LocalStore.readinto_direct
@@ -310,9 +311,10 @@ def test_a_manager_that_has_saved_cuts_the_bounce_buffers_from_its_ready_staging
 
         monkeypatch.setattr(local_mod.LocalStore, "readinto_direct", spy)
         assert mgr.restore(out, in_place=True) == 1
-        assert mgr._engine.bounce is None, "the restore made bounce buffers of its own"
+        assert mgr.components.engine.bounce is None, "the restore made bounce buffers of its own"
         assert len(seen) > 10 and all(lo <= a < hi for a in seen), "a bounce buffer lay outside the staging slot"
-        assert mgr._pool.allocations == allocations and mgr._pool.ready(slot.capacity), "the slot did not come back"
+        pool = mgr.components.staging
+        assert pool.allocations == allocations and pool.ready(slot.capacity), "the slot did not come back"
         assert len(private) == 1  # the headers and the small tensor
         _save_in(mgr, state, 2)  # the slot still serves saves
     for k in state:
@@ -335,7 +337,8 @@ def test_borrowed_bounce_buffers_give_the_slot_back_when_the_restore_fails(tmp_p
         evict_data_files(folder)
         with pytest.raises(CorruptCheckpointError, match=big.name):
             mgr.restore({k: torch.zeros_like(v) for k, v in state.items()}, step=1, in_place=True)
-        assert mgr._engine.bounce is None and mgr._pool.ready(1), "the slot the bounce buffers were cut from was kept"
+        assert mgr.components.engine.bounce is None and mgr.components.staging.ready(1), \
+            "the slot the bounce buffers were cut from was kept"
         _save_in(mgr, state, 2)
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         assert mgr.restore(out, in_place=True) == 2

@@ -189,7 +189,7 @@ def test_changed_dtype_shape_and_keys_make_a_new_plan(tmp_path: Path, two_torch_
     with CheckpointManager(tmp_path / "c") as mgr:
         mgr.save(1, state)
         mgr.wait()
-        first_plan = mgr._plan
+        first_plan = mgr.components.pipeline.plan
         changes = [
             ("dtype", lambda m: m.__setitem__("layer.4.w", m["layer.4.w"].to(torch.float64))),
             ("shape", lambda m: m.__setitem__("layer.5.w", _random_bits((9, 2), torch.float32, g))),
@@ -202,8 +202,8 @@ def test_changed_dtype_shape_and_keys_make_a_new_plan(tmp_path: Path, two_torch_
             want = {n: t.clone() for n, t in state["model"].items()}
             mgr.save(step, state)
             mgr.wait()
-            assert mgr._plan is not plans[-1], f"a changed {what} reused the old plan"
-            plans.append(mgr._plan)
+            assert mgr.components.pipeline.plan is not plans[-1], f"a changed {what} reused the old plan"
+            plans.append(mgr.components.pipeline.plan)
             fresh = {"model": zeros_like_tree(state["model"])}
             assert mgr.restore(fresh) == step
             _assert_state_equal(fresh["model"], want, what)

@@ -131,7 +131,8 @@ def test_a_corrupt_file_gets_every_old_byte_put_back(tmp_path: Path, cold: bool,
         with pytest.raises(CorruptCheckpointError, match="the state was not changed") as err:
             mgr.restore(target, step=1)
         assert err.value.step == 1 and err.value.bad_files
-        assert len(mgr._pool._free) == mgr.options.staging_buffers  # the slot holding the old bytes came back
+        # the slot holding the old bytes came back
+        assert mgr.components.staging.free_slots == mgr.options.staging_buffers
     assert_tree_equal(target, before)
     # the reads had overwritten tensors before the mismatch was found: putting them back was needed
     assert len(spy.ends) == 1 and spy.ends[0][0] == "rollback"
@@ -157,7 +158,7 @@ def test_a_failed_read_gets_the_old_bytes_put_back(tmp_path: Path, monkeypatch: 
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(OSError, match="injected"):
             mgr.restore(target, step=1)
-        assert len(mgr._pool._free) == mgr.options.staging_buffers
+        assert mgr.components.staging.free_slots == mgr.options.staging_buffers
     assert_tree_equal(target, before)
     assert [end for end, *_ in spy.ends] == ["rollback"] and spy.ends[0][2] > 0
 
@@ -179,14 +180,14 @@ def test_a_prepared_step_released_unapplied_puts_the_old_bytes_back(tmp_path: Pa
     target = _target(state)
     before = clone_tree(target)
     with CheckpointManager(tmp_path) as mgr:
-        prepared = _restore.prepare(mgr._engine, mgr.local, 1, target, True)
+        prepared = _restore.prepare(mgr.components.engine, mgr.local, 1, target, True)
         assert torch.equal(target["model"]["w0"], state["model"]["w0"])  # read in place already
         assert target["step"] == -1  # the rest waits for apply()
         prepared.release()
         prepared.release()  # idempotent: nothing is put back twice
         assert_tree_equal(target, before)
-        assert len(mgr._pool._free) == mgr.options.staging_buffers
-        _restore.prepare(mgr._engine, mgr.local, 1, target, True).apply()
+        assert mgr.components.staging.free_slots == mgr.options.staging_buffers
+        _restore.prepare(mgr.components.engine, mgr.local, 1, target, True).apply()
     assert_tree_equal(target, state)
 
 

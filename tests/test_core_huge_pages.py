@@ -76,7 +76,7 @@ def test_manager_staging_and_bounce_buffers_follow_huge_pages(tmp_path: Path, hu
     state = _state(16)
     with CheckpointManager(tmp_path / "c", huge_pages=huge, pin_memory=False) as mgr:
         mgr.save(1, state).persisted.result()
-        buf = mgr._pool._slots[0].buffer
+        buf = mgr.components.staging.slots[0].buffer
         assert buf is not None
         addr = buf.data_ptr()
         if huge:
@@ -88,7 +88,7 @@ def test_manager_staging_and_bounce_buffers_follow_huge_pages(tmp_path: Path, hu
         assert mgr.restore(fresh, in_place=True) == 1
         for k in state:
             assert_tensor_equal(fresh[k], state[k], k)
-        bounce = mgr._engine.bounce
+        bounce = mgr.components.engine.bounce
         if direct_io_supported(tmp_path):  # the files were written around the page cache: read through bounce buffers
             assert bounce is not None and bounce._map is not None, "the in-place restore used no bounce buffers"
             baddr = buffer_address(bounce._map)
@@ -111,9 +111,9 @@ def test_huge_pages_option_is_validated(tmp_path: Path) -> None:
 
 def test_huge_pages_auto_follows_the_kernel(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "c") as mgr:
-        assert mgr._pool.huge is huge_pages_available()
+        assert mgr.components.staging.huge is huge_pages_available()
     with CheckpointManager(tmp_path / "d", huge_pages=False) as mgr:
-        assert mgr._pool.huge is False
+        assert mgr.components.staging.huge is False
 
 
 @needs_thp
@@ -171,13 +171,13 @@ def test_huge_staging_memory_is_given_back(tmp_path: Path) -> None:
     small, large = _state(32), _state(96)
     with CheckpointManager(tmp_path / "c", huge_pages=True, pin_memory=False) as mgr:
         mgr.save(1, small).persisted.result()
-        first = mgr._pool._slots[0].buffer
+        first = mgr.components.staging.slots[0].buffer
         assert first is not None
         old = _mapping(first.data_ptr())
         assert old is not None and old[2] >= 32 << 10, f"the 32 MiB staging buffer is not resident ({old})"
         del first
         mgr.save(2, large).persisted.result()  # grows the slot: the 32 MiB buffer goes first
-        buf = mgr._pool._slots[0].buffer
+        buf = mgr.components.staging.slots[0].buffer
         assert buf is not None and _huge_kib(buf.data_ptr()) >= 2048
         new = _mapping(buf.data_ptr())
         del buf

@@ -59,7 +59,7 @@ def _restored_in_a_fresh_manager(tmp_path: Path, monkeypatch, state: dict[str, t
     out = _zeros(state)
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(out, in_place=in_place) == 1
-        allocations = mgr._pool.allocations
+        allocations = mgr.components.staging.allocations
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
     return allocations, sizes
@@ -73,10 +73,11 @@ def test_a_fresh_manager_reads_the_small_rest_into_a_private_buffer_not_a_stagin
     with CheckpointManager(tmp_path) as mgr:  # a restore after a save finds the save's slot ready and uses it
         mgr.save(2, state)
         mgr.wait()
-        allocations = mgr._pool.allocations
+        allocations = mgr.components.staging.allocations
         out = _zeros(state)
         assert mgr.restore(out, in_place=True) == 2
-        assert len(sizes) == 1 and mgr._pool.allocations == allocations, "a private buffer beside a ready slot"
+        assert len(sizes) == 1 and mgr.components.staging.allocations == allocations, \
+            "a private buffer beside a ready slot"
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
 
@@ -109,7 +110,7 @@ def test_a_corrupt_small_tensor_read_into_the_private_buffer_is_found(tmp_path: 
         with pytest.raises(CorruptCheckpointError, match="small3"):
             mgr.restore(_zeros(state), step=2, in_place=True)
         assert mgr.restore(out, in_place=True) == 1  # step 2 is corrupt: step 1, loaded over it
-        assert mgr._pool.allocations == 0 and len(sizes) == 3
+        assert mgr.components.staging.allocations == 0 and len(sizes) == 3
     for k in state:
         assert_tensor_equal(out[k], state[k], k)
 

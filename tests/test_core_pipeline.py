@@ -392,7 +392,7 @@ def test_a_save_that_fails_before_its_job_starts_gives_the_slot_back(tmp_path: P
     state = _state(4, 1000, seed=5)
     with CheckpointManager(tmp_path / "c", lazy_snapshot=lazy) as mgr:
         mgr.save(1, state).persisted.result(60)
-        executor = mgr._snapshotter if lazy else mgr._persist
+        executor = mgr.components.pipeline.snapshot_thread if lazy else mgr.components.pipeline.persist_thread
         real = executor.submit
         calls = [0]
 
@@ -426,10 +426,10 @@ def test_overlap_writes_is_automatic_by_cores_and_validated(tmp_path: Path, monk
             monkeypatch.setattr(copier.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
             assert copier.overlap_pays(2) is want, cores
             with CheckpointManager(tmp_path / f"auto{cores}", writer_threads=2) as mgr:
-                assert mgr._overlap is want
+                assert mgr.components.pipeline.overlap is want
             for forced in (True, False):
                 with CheckpointManager(tmp_path / f"forced{cores}", overlap_writes=forced) as mgr:
-                    assert mgr._overlap is forced
+                    assert mgr.components.pipeline.overlap is forced
     finally:
         torch.set_num_threads(torch_threads)
     with pytest.raises(ValueError, match="overlap_writes"):
@@ -443,6 +443,6 @@ def test_overlap_writes_is_automatic_with_the_native_copy(tmp_path: Path, monkey
     monkeypatch.setattr(copier.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert copier.overlap_pays(2) is True
     with CheckpointManager(tmp_path / "auto") as mgr:
-        assert mgr._overlap is True
+        assert mgr.components.pipeline.overlap is True
     with CheckpointManager(tmp_path / "off", overlap_writes=False) as mgr:
-        assert mgr._overlap is False
+        assert mgr.components.pipeline.overlap is False

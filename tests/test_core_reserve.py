@@ -24,10 +24,10 @@ def _state(n: int = 4) -> dict:
 
 def _assert_the_save_reuses_the_buffer(mgr, step: int, state: dict) -> None:
     """With one staging buffer already in the pool, saving ``state`` as ``step`` allocates none; the step restores."""
-    assert mgr._pool.allocations == 1
+    assert mgr.components.staging.allocations == 1
     mgr.save(step, state)
     mgr.wait()
-    assert mgr._pool.allocations == 1, "the save allocated a buffer of its own"
+    assert mgr.components.staging.allocations == 1, "the save allocated a buffer of its own"
     target = zeros_like_tree(state)
     assert mgr.restore(target) == step
     assert_tree_equal(target, state)
@@ -74,7 +74,7 @@ def test_a_save_that_comes_first_waits_for_the_reserved_slot(tmp_path, monkeypat
         mgr.save(1, state)  # blocks until the reserve thread gives the slot back
         assert fut.done() and fut.result() >= 0.3
         mgr.wait()
-        assert mgr._pool.allocations == 1 and len(calls) == 1
+        assert mgr.components.staging.allocations == 1 and len(calls) == 1
         target = zeros_like_tree(state)
         assert mgr.restore(target) == 1
     assert_tree_equal(target, state)
@@ -84,10 +84,10 @@ def test_a_state_that_grew_after_the_reservation_gets_a_bigger_buffer(tmp_path):
     small, big = _state(2), _state(40)  # 16 MB against 0.8 MB: more than the reserved buffer holds
     with tierckpt.CheckpointManager(tmp_path / "ck") as mgr:
         mgr.reserve_staging(small).result(10)
-        reserved = mgr._pool._slots[0].capacity
+        reserved = mgr.components.staging.slots[0].capacity
         mgr.save(1, big)
         mgr.wait()
-        assert mgr._pool._slots[0].capacity > reserved
+        assert mgr.components.staging.slots[0].capacity > reserved
         target = zeros_like_tree(big)
         assert mgr.restore(target) == 1
     assert_tree_equal(target, big)
@@ -228,5 +228,5 @@ def test_a_restore_populates_its_fresh_buffer_only_when_every_byte_is_read_into_
         target = zeros_like_tree(state)
         assert mgr.restore(target, in_place=in_place) == 1
         assert_tree_equal(target, state)
-        assert mgr._pool._slots[0]._populator is None  # stopped once the restore gave the slot back
+        assert not mgr.components.staging.slots[0].populating  # stopped once the restore gave the slot back
     assert len(made) == (0 if in_place else 1)

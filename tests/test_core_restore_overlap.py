@@ -116,7 +116,7 @@ def test_a_mismatch_found_while_reading_stops_the_reads_and_changes_nothing(save
         time.sleep(0.1)
         assert reads.bytes == stopped_at, "reads went on after restore() raised"
         assert 0 < stopped_at < total / 2, f"read {stopped_at} of {total} bytes after the plan failed"
-        assert len(mgr._pool._free) == mgr.options.staging_buffers  # the staging slot came back
+        assert mgr.components.staging.free_slots == mgr.options.staging_buffers  # the staging slot came back
         assert_tree_equal(target, before)
         good = zeros_like_tree(state)
         assert mgr.restore(good, step=3) == 3

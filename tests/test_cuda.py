@@ -21,7 +21,7 @@ def test_staging_is_pinned(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"w": torch.ones(1 << 20, device="cuda")})
         mgr.wait()
-        slot = mgr._pool._slots[0]
+        slot = mgr.components.staging.slots[0]
         assert slot.buffer is not None and slot.buffer.is_pinned()
 
 

@@ -206,8 +206,8 @@ def test_the_manager_creates_no_process_group_and_leaves_no_store_key(posix2: Ru
         assert rec["saved"] == {"wait_error": None, "persisted": [True, True]}, rec
         assert rec["restored"]["restored"] == 2, rec
         # every agreement's and upload message's keys are removed by their readers (the per-rank counters of
-        # managers created exist from the earlier phases)
-        assert rec["keys_after"] == rec["keys_before"], rec
+        # managers created exist from the earlier phases, whose last messages may still be read meanwhile)
+        assert rec["keys_after"] <= rec["keys_before"], rec
 
 
 # ------------------------------------------------------------------------------------------------ CLI

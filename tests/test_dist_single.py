@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+import tierckpt.manager as manager_module
 from tierckpt import (
     CheckpointError,
     CheckpointManager,
@@ -279,13 +280,21 @@ def ok_peer() -> Callable[[str, Any], Any]:
     return peer
 
 
-def twin_manager(local: Path, peer: Callable[[str, Any], Any], **kw: Any) -> tuple[CheckpointManager, FakeCoordinator]:
+def twin_manager(local: Path, peer: Callable[[str, Any], Any], *, channel: Callable[[Any], Any] | None = None,
+                 **kw: Any) -> tuple[CheckpointManager, FakeCoordinator]:
+    """Rank 0 of a world of 2 whose coordinator is a :class:`FakeCoordinator` (``channel(coord)``: its upload
+    channel, else one where rank 1 never reports). The manager is built as any rank 0 is; only the class it
+    makes its coordinator from is swapped while it is built."""
     kw.setdefault("log_records", False)
-    mgr = CheckpointManager(local, rank=0, world_size=1, **kw)
     coord = FakeCoordinator(peer)
-    mgr._coord = coord
-    mgr.world_size = WORLD
-    mgr._engine.coord, mgr._engine.world_size = coord, WORLD  # what the restore and commit paths see
+    if channel is not None:
+        coord.upload_channel = lambda: channel(coord)  # type: ignore[method-assign]
+    real = manager_module.Coordinator
+    manager_module.Coordinator = lambda *_a, **_k: coord  # type: ignore[assignment,misc]
+    try:
+        mgr = CheckpointManager(local, rank=0, world_size=WORLD, **kw)
+    finally:
+        manager_module.Coordinator = real  # type: ignore[misc]
     return mgr, coord
 
 
@@ -390,10 +399,11 @@ def test_twin_commit_fails_on_rank1s_node(tmp_path: Path) -> None:
 
 def test_twin_type_error_at_save_happens_before_any_collective(tmp_path: Path) -> None:
     mgr, coord = twin_manager(tmp_path / "n0", ok_peer())
+    started = list(coord.calls)  # the start-up agreements
     with pytest.raises(TypeError, match=r"state\['extra'\]"):
         mgr.save(1, {"w": torch.ones(3), "extra": object()})
     mgr.wait()
-    assert coord.calls == [] and list_root(mgr.local).steps == {}
+    assert coord.calls == started and list_root(mgr.local).steps == {}
     mgr.close()
 
 
@@ -403,13 +413,15 @@ def saved_twin(tmp_path: Path, steps: list[int], peer: Callable[[str, Any], Any]
     for s in steps:
         mgr.save(s, state_at(s))
     mgr.wait()
-    mgr._coord.peer = peer
+    mgr.components.coordinator.peer = peer
     return mgr
 
 
 def restore_peer(candidates: list[int], outcome: Callable[[], tuple[str, str]] = lambda: ("ok", "")):
     def peer(lane: str, obj: Any) -> Any:
         assert lane == "main"
+        if obj is None or isinstance(obj, list):  # start-up: the clean-up barrier, the steps every rank holds
+            return obj
         return {"steps": list(candidates), "shared_first": []} if isinstance(obj, dict) else outcome()
 
     return peer
@@ -432,7 +444,7 @@ def test_twin_no_common_step_is_an_error_nothing_anywhere_is_none(tmp_path: Path
     with pytest.raises(CorruptCheckpointError, match="no step is committed for every rank"):
         mgr.restore(st)
     assert st["step"] == -1
-    mgr._coord.peer = restore_peer([])  # rank 1 holds nothing
+    mgr.components.coordinator.peer = restore_peer([])  # rank 1 holds nothing
     with pytest.raises(CorruptCheckpointError, match="no step is committed for every rank"):
         mgr.restore(empty())
     mgr.close()
@@ -470,9 +482,7 @@ def test_twin_state_mismatch_on_rank1_is_raised_on_every_rank(tmp_path: Path) ->
 
 # ------------------------------------------------------------------------------------------------ remote, rank 1 absent
 def test_twin_rank1_never_uploads_remote_commit_times_out_naming_it(tmp_path: Path) -> None:
-    mgr, _ = twin_manager(tmp_path / "n0", ok_peer(), upload_deadline_s=0.3)
-    mgr.remote = LocalStore(tmp_path / "remote", tier="remote")  # attached after start-up: no resume collective
-    mgr._start_replication([])
+    mgr, _ = twin_manager(tmp_path / "n0", ok_peer(), remote=tmp_path / "remote", upload_deadline_s=0.3)
     h = mgr.save(1, state_at(1))
     with pytest.raises(UploadError, match=r"ranks \[1\] did not upload") as ei:
         mgr.wait()
@@ -525,7 +535,6 @@ def test_throttling_during_the_remote_commit_is_retried(tmp_path: Path, s3_serve
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
-    from tierckpt.storage.open import open_store
 
     app = _Throttle(DomainDispatcherApplication(create_backend_app), n=2)
     server = make_server("127.0.0.1", 0, app, threaded=True)
@@ -538,10 +547,9 @@ def test_throttling_during_the_remote_commit_is_retried(tmp_path: Path, s3_serve
         sid = _sharded.save_id("single-process-twin", 1)
         rank1 = layout.rank_manifest_name(1, sid)
         fs.pipe(f"throttled/run/{layout.step_dir(1)}/{rank1}", b"x" * 123)  # rank 1's shard, uploaded already
-        mgr, coord = twin_manager(tmp_path / "n0", ok_peer(), upload_deadline_s=60, remote_timeout_s=60)
-        mgr.remote = open_store("s3://throttled/run", storage_options=opts, tier="remote")
-        coord.upload_channel = lambda: _ReportingChannel(coord, lambda n: {"ref": [1, rank1, 123, "0" * 32]})
-        mgr._start_replication([])
+        mgr, coord = twin_manager(tmp_path / "n0", ok_peer(), remote="s3://throttled/run", storage_options=opts,
+                                  upload_deadline_s=60, remote_timeout_s=60,
+                                  channel=lambda c: _ReportingChannel(c, lambda n: {"ref": [1, rank1, 123, "0" * 32]}))
         h = mgr.save(1, state_at(1))
         mgr.wait()
         assert h.uploaded.exception() is None

@@ -195,7 +195,8 @@ def test_hyperparameters(tmp_path):
 def test_save_returns_before_the_write_is_durable(tmp_path):
     io = TieredCheckpointIO(tmp_path / "local")
     gate = threading.Event()
-    blocker = io.manager._persist.submit(gate.wait)  # the persist thread is busy until the gate opens
+    # the persist thread is busy until the gate opens
+    blocker = io.manager.components.pipeline.persist_thread.submit(gate.wait)
     try:
         ckpt = {"global_step": 5, "state_dict": {"w": torch.ones(1000)}, "epoch": 0}
         io.save_checkpoint(ckpt, tmp_path / "ckpts" / "a.ckpt")

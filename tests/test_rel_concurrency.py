@@ -102,7 +102,7 @@ def test_exception_in_with_block_propagates_and_closes(tmp_path: Path, slow_pers
         mgr.save(1, _state(1))
         raise boom
     assert ei.value is boom, "the training loop's exception was replaced"
-    assert mgr._closed
+    assert mgr.closed
     assert [t for t in threading.enumerate() if t.name.startswith("tierckpt-") and t.is_alive()] == []
     with CheckpointManager(tmp_path / "c") as mgr2:  # the lock is released, the pending save is durable
         state = _empty()

@@ -102,7 +102,7 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, mgr: CheckpointManager) -> None:
         self.paths: list[str] = []
         self.requests: list[int] = []
-        real_os_open, real_open, real_acquire = os.open, builtins.open, mgr._pool.acquire
+        real_os_open, real_open, real_acquire = os.open, builtins.open, mgr.components.staging.acquire
 
         def os_open(path, *a, **k):
             self.paths.append(os.fspath(path))
@@ -119,7 +119,7 @@ class Spy:
 
         monkeypatch.setattr(os, "open", os_open)
         monkeypatch.setattr(builtins, "open", b_open)
-        monkeypatch.setattr(mgr._pool, "acquire", acquire)
+        monkeypatch.setattr(mgr.components.staging, "acquire", acquire)
 
 
 def _restore_hostile(root: Path, monkeypatch: pytest.MonkeyPatch, marker: Path | None = None, *,

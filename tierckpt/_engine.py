@@ -10,7 +10,8 @@ them. Everything else it refers to belongs to the manager, which closes it.
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .options import Options
 from .storage.base import Store
@@ -45,3 +46,17 @@ class Engine:
     def close(self) -> None:
         """Drop the bounce buffers (their memory is unmapped with them)."""
         self.bounce = None
+
+
+@dataclass(frozen=True)
+class Components:
+    """A manager's components, for diagnostics and tests (:attr:`CheckpointManager.components`): the staging
+    pool of host buffers, the save pipeline, the engine (tiers, pools, the restore's bounce buffers), the
+    replication component (None without a remote) and the multi-rank coordinator (None in one process). Reading
+    their state is safe; driving them bypasses the manager's checks."""
+
+    staging: StagingPool
+    pipeline: Any
+    engine: Engine
+    replicator: Any
+    coordinator: Coordinator | None

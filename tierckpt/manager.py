@@ -35,18 +35,18 @@ from typing import Any
 
 import torch
 
-from . import _gc, _load, _restore, _sharded, faults
-from ._engine import Engine
+from . import _gc, _load, _restore, _rollback, _sharded
+from ._engine import Components, Engine
 from ._memory import huge_pages_available
+from ._pipeline import SavePipeline
+from ._records import SaveLog, record_hooks
 from .distributed import Coordinator, rank_and_world
-from .errors import CheckpointError, RollbackError, StorageError
-from .format import layout
-from .format.plan import SnapshotPlan, make_plan
+from .errors import CheckpointError, StorageError
 from .handle import SaveHandle, SaveRecord
 from .options import Options, check_metadata, check_storage_options
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .replication import Health, ReplicationPolicy, Replicator
-from .snapshot import capture, copier, staging, tree
+from .snapshot import staging
 from .status import StepInfo, list_steps
 from .storage import folder_lock
 from .storage.base import Store
@@ -54,21 +54,11 @@ from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
 from .storage.retry import RetryPolicy
-from .tiers import uploader, writer
+from .tiers import uploader
 from .tiers.listing import TierListings, list_tiers
 from .tiers.verify import list_root
 
 log = logging.getLogger(__name__)
-
-
-def _record_hooks(on_record: Any) -> tuple[Callable[[SaveRecord], None], ...]:
-    """``on_record`` as a tuple of callables; ValueError for anything else."""
-    if on_record is None:
-        return ()
-    hooks = (on_record,) if callable(on_record) else on_record
-    if not isinstance(hooks, (list, tuple)) or not all(callable(h) for h in hooks):
-        raise ValueError(f"on_record must be a callable or a list of callables, got {on_record!r}")
-    return tuple(hooks)
 
 
 class CheckpointManager:
@@ -173,7 +163,7 @@ class CheckpointManager:
         self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
-        self._on_record = _record_hooks(on_record)
+        hooks = record_hooks(on_record)
         self._policy = SavePolicy(every_steps=save_every_steps, every_seconds=save_every_seconds)
         self._clock = Clock()
         self._preemption = Preemption()
@@ -215,29 +205,19 @@ class CheckpointManager:
             self._unlock()
             raise
         self._committed_floor: int | None = local_steps[-1] if local_steps else None
-        cuda = torch.cuda.is_available()
-        pin = cuda if self.options.pin_memory is None else self.options.pin_memory
-        self._pool = staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge)
-        overlap = self.options.overlap_writes
-        self._overlap = copier.overlap_pays(self.options.writer_threads) if overlap is None else overlap
-        self._copy_stream = torch.cuda.Stream() if cuda else None
+        pin = torch.cuda.is_available() if self.options.pin_memory is None else self.options.pin_memory
         self._io = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-io")
         self._hash = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-hash")
-        self._persist = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-persist")
         self._engine = Engine(local=self.local, remote=self.remote, rank=self.rank, world_size=self.world_size,
-                              options=self.options, io=self._io, hash=self._hash, pool=self._pool, huge=self._huge,
-                              coord=self._coord)
-        self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-snapshot")
-        self._lazy_pending: set[Future] = set()
-        self._hooks: dict[int, Any] = {}
-        self._plan: SnapshotPlan | None = None
-        self._locations: list[tuple[int, int]] = []
+                              options=self.options, io=self._io, hash=self._hash, huge=self._huge, coord=self._coord,
+                              pool=staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge))
+        self._log = SaveLog(hooks, log_to=self.local.root if self.options.log_records else None)
+        self._pipeline = SavePipeline(self._engine, track=self._track, background_error=self._background_error,
+                                      committed=self._committed, failed=self._log.write)
         self._last_step: int | None = None
         self._errors: list[BaseException] = []
         self._errors_lock = threading.Lock()
         self._pending: set[Future] = set()
-        self._persisting: set[Future] = set()
-        self._records: list[SaveRecord] = []
         self._closed = False
         self._retention = ReplicationPolicy(keep_local=self.options.keep_local, keep_remote=self.options.keep_remote,
                                             keep_every=self.options.keep_every,
@@ -256,10 +236,17 @@ class CheckpointManager:
         self._channel = None if self._coord is None else self._coord.upload_channel()
         self._replicator = Replicator(
             self.local, self.remote, policy=self._retention, upload=self._upload, resume=resume,
-            on_done=self._write_record, track=self._track,
+            on_done=self._log.write, track=self._track,
             remote_retention=self._coord is None or self._coord.topology.rank == 0, local_retention=leader,
             channel=self._channel, list_deadline_s=self.options.remote_timeout_s)
         self._replicator.start()
+
+    @property
+    def components(self) -> Components:
+        """The manager's components (staging pool, save pipeline, engine, replicator, coordinator), for
+        diagnostics and tests; see :class:`~tierckpt._engine.Components`."""
+        return Components(staging=self._engine.pool, pipeline=self._pipeline, engine=self._engine,
+                          replicator=self._replicator, coordinator=self._coord)
 
     @property
     def remote(self) -> Store | None:
@@ -304,88 +291,18 @@ class CheckpointManager:
         if self._last_step is not None and step <= self._last_step:
             raise CheckpointError(f"step {step} is not after the last step this manager saved ({self._last_step})",
                                   step=step, tier="local", path=self.local.url)
-        self._check_rollback(step)
+        remote_steps = self._replicator.remote_steps() if self._replicator is not None else None
+        _rollback.check(step, _rollback.newest_committed(self._committed_floor, remote_steps, self._last_step),
+                        self.local.url)
         if metadata is not None:
             metadata = check_metadata(metadata)
         handle = SaveHandle(step)
-        if self.options.lazy_snapshot:
-            # only what may change once save() returns is taken now; the snapshot thread does the rest
-            job = (handle, capture.capture(state), capture.capture({"m": metadata})["m"])
-            self._watch_optimizers(state)
-            owner = self._snapshotter.submit(self._lazy_snapshot, *job)
-            self._lazy_pending.add(owner)
-            owner.add_done_callback(self._lazy_pending.discard)
-            self._track(owner)
-            handle._record.stall_s = handle.elapsed()
-        else:
-            # steady state: the memo of the last flatten and the plan's cached records make this cost little per
-            # tensor
-            stage, progress = self._start(handle, self._flatten(state), metadata, layout_checked=True)
-            try:
-                stage()
-                handle._record.stall_s = handle.staged.result()
-            finally:
-                progress.release()  # training no longer waits: hashing may use the CPU now
+        self._pipeline.submit(handle, state, metadata)
         self._last_step = step
         self._clock.saved(step)
         log.debug("save step %d: %s in %.3f s", step, "queued" if self.options.lazy_snapshot else "staged",
                   handle._record.stall_s)
         return handle
-
-    def _start(self, handle: SaveHandle, flat: tree.FlatState, metadata: Any, *,
-               layout_checked: bool) -> tuple[Callable[[], None], staging.CopyProgress]:
-        """Plan the snapshot of ``flat``, take a staging slot (waiting for one: back-pressure) and hand the persist
-        job its files; returns the copy into the slot (``stage``, for the caller to run) and its progress.
-        ``layout_checked``: ``flat`` was flattened right now on this thread (see ``copier.copy_into``)."""
-        plan, locations = self._plan_for(flat), self._locations
-        leaves_meta, file_leaves = _leaf_records(plan, locations, flat)
-        slot = self._pool.acquire(plan.buffer_bytes)
-        values = flat.values
-        # with overlap, the persist job writes each file while the rest is still being copied (pipelined copy)
-        progress = staging.CopyProgress([f.size for f in plan.files])
-
-        def stage() -> None:
-            try:
-                faults.point("staging")
-                copier.copy_into(slot, plan, locations, flat, copy_stream=self._copy_stream,
-                                  executor=self._pool.copy_executor(),
-                                  progress=progress if self._overlap else None, waves=self.options.writer_threads,
-                                  layout_checked=layout_checked)
-            except BaseException as exc:
-                progress.fail(exc)  # the persist job gives up on these bytes and releases the slot
-                raise
-            finally:
-                values.clear()  # drop references to the caller's tensors
-            handle.staged.set_result(handle.elapsed())  # before the persist job can report this step durable
-            progress.finish()
-
-        rec = handle._record
-        try:  # until a background job owns the slot, a failure here must give it back
-            files = [writer.StagedFile(f.part, view, f.data_start, order, progress.waiter(f.part))
-                     for f, view, order in zip(plan.files, slot.file_views(plan), file_leaves)]
-            rec.bytes, rec.tensors, rec.files = plan.total_bytes, len(leaves_meta), len(files)
-            job = self._persist.submit(self._persist_job, handle, slot, files, leaves_meta, flat.tree, metadata,
-                                       progress)
-            self._track(job)
-            self._persisting.add(job)
-            job.add_done_callback(self._persisting.discard)
-        except BaseException:
-            values.clear()
-            self._pool.release(slot)
-            raise
-        return stage, progress
-
-    def _flatten(self, state: Mapping[str, Any]) -> tree.FlatState:
-        return tree.flatten(state, None if self._plan is None else self._plan.cache.get("flatten"))
-
-    def _plan_for(self, flat: tree.FlatState) -> SnapshotPlan:
-        """The snapshot plan (files, offsets) of a flattened state: the last one when the layout is unchanged."""
-        if self._plan is None or self._plan.signature != flat.specs:
-            self._plan = make_plan(flat.specs, file_bytes=self.options.file_size_mb << 20,
-                                   min_files=self.options.writer_threads)
-            self._locations = staging.leaf_locations(self._plan)
-        self._plan.cache["flatten"] = flat.memo
-        return self._plan
 
     def reserve_staging(self, state: Mapping[str, Any]) -> Future[float]:
         """Allocate the staging buffer that saving ``state`` needs and fault in its pages, on a background thread,
@@ -400,92 +317,24 @@ class CheckpointManager:
             CheckpointError: the manager is closed.
             TypeError: a value of ``state`` cannot be stored."""
         self._check_open()
-        self.snapshot_barrier()  # a lazy snapshot being planned on the snapshot thread sees the plan it made
-        flat = self._flatten(state)
-        flat.values.clear()  # only the layout is needed: hold no reference to the caller's tensors
-        fut = self._pool.reserve(self._plan_for(flat).buffer_bytes)
-        self._track(fut)
-        return fut
-
-    # ------------------------------------------------------------------------------------------------ lazy snapshot
-    def _lazy_snapshot(self, handle: SaveHandle, state: dict[str, Any], metadata: Any) -> None:
-        """The snapshot thread's part of a lazy save: flatten what ``save()`` captured, plan, take a slot, start the
-        persist job and copy, while training goes on until the next barrier. A failure fails the save's futures
-        and is re-raised by the manager's next call."""
-        try:
-            with _gc.paused():
-                stage, progress = self._start(handle, self._flatten(state), metadata, layout_checked=False)
-            stage()
-            progress.release()
-        except BaseException as exc:
-            self._background_error(exc, f"snapshot of step {handle.step} failed")
-            for f in (handle.staged, handle.persisted, handle.uploaded):
-                if not f.done():
-                    f.set_exception(exc)
+        return self._pipeline.reserve(state)
 
     def snapshot_barrier(self) -> None:
         """Lazy snapshots: block until every snapshot taken so far is in host memory, so the state's tensors may
         change. Called automatically before ``optimizer.step()`` of every optimizer found in a saved state, and by
         ``restore()``; a no-op in the default (eager) mode."""
-        pending = list(self._lazy_pending)
-        if pending:
-            wait_futures(pending)
+        self._pipeline.barrier()
 
-    def _watch_optimizers(self, state: Any, depth: int = 0) -> None:
-        if depth > 3:
-            return
-        values = state.values() if isinstance(state, Mapping) else state if isinstance(state, (list, tuple)) else ()
-        for v in values:
-            if isinstance(v, torch.optim.Optimizer):
-                if id(v) not in self._hooks:
-                    self._hooks[id(v)] = v.register_step_pre_hook(lambda *_a, **_k: self.snapshot_barrier())
-            elif isinstance(v, (Mapping, list, tuple)):
-                self._watch_optimizers(v, depth + 1)
-
-    def _persist_job(self, handle: SaveHandle, slot: staging.Slot, files: list[writer.StagedFile],
-                     leaves_meta: list[writer.LeafMeta], tree_json: Any, metadata: Any,
-                     progress: staging.CopyProgress) -> None:
-        """Write, commit and hand on one step. Runs while the snapshot is still being copied in (its files wait for
-        their bytes); if that copy fails, the stage reports it, and this job only cleans up and releases the slot."""
-        step = handle.step
-        released = []
-
-        def release() -> None:  # exactly once: the slot may be re-acquired by the next save() right after
-            if not released:
-                released.append(True)
-                self._pool.release(slot)
-
-        try:
-            sid = layout.new_save_id() if self._coord is None else _sharded.save_id(self._coord.topology.run_id, step)
-            snap = writer.RankSnapshot(step, self.rank, self.world_size, sid, files, leaves_meta, tree_json, metadata,
-                                       progress.wait_released)
-            if self._coord is None:
-                writer.persist(self.local, snap, self._io, self._hash)
-            else:
-                _sharded.persist(self._engine, snap, release=release)
-        except BaseException as exc:
-            release()
-            if progress.failed is not None:  # save() raised it (eager) or _lazy_stage reported it (lazy)
-                log.debug("tier local: step %d not written: its snapshot failed (%s)", step, progress.failed)
-                return
-            handle._record.error = str(exc)
-            self._background_error(exc, f"saving step {step} to the local tier failed")
-            handle.persisted.set_exception(exc)
-            if not handle.uploaded.done():
-                handle.uploaded.set_exception(exc)
-            self._write_record(handle)
-            return
-        release()
-        handle._record.persist_s = handle.elapsed()
-        self._slow.observe(step, handle._record.persist_s, handle._record.bytes, "local")
-        handle.persisted.set_result(handle._record.persist_s)
+    def _committed(self, handle: SaveHandle) -> None:
+        """The pipeline committed ``handle``'s step locally: replicate it, or (local only) resolve and retain."""
+        self._slow.observe(handle.step, handle._record.persist_s, handle._record.bytes, "local")
         if self._replicator is None:
             handle.uploaded.set_result(None)
-            self._write_record(handle)
+            self._log.write(handle)
             self._apply_local_retention()
         else:
             self._replicator.apply_local_retention()  # first: the local tier is trimmed when the upload resolves
-            self._track(self._replicator.submit(step, handle))
+            self._track(self._replicator.submit(handle.step, handle))
 
     # ------------------------------------------------------------------------------------------------ remote
     def _upload(self, step: int, attempt: str | None = None) -> None:
@@ -693,8 +542,7 @@ class CheckpointManager:
         commits. Framework plug-ins that read the tiers themselves call it too. Raises :class:`CheckpointError`
         if the manager is closed; a save that failed does not raise here (``wait()`` and the next ``save()`` do)."""
         self._check_open()
-        self.snapshot_barrier()
-        wait_futures(list(self._persisting))
+        self._pipeline.wait_persisted()
 
     def latest_step(self) -> int | None:
         """The newest committed step in any tier (committed = manifest present; restore verifies), or None when
@@ -723,28 +571,6 @@ class CheckpointManager:
             return list_steps(self.local, None, failed, waiting)
 
     # ------------------------------------------------------------------------------------------------ rollback
-    def _check_rollback(self, step: int) -> None:
-        newest = self._newest_committed()
-        if newest is not None and step < newest[0]:
-            raise RollbackError(
-                f"step {step} is below step {newest[0]}, committed in tier {newest[1]} by an earlier run: a restart "
-                f"would restore step {newest[0]}, and retention would delete this run's steps first. If you rolled "
-                f"back on purpose, call mgr.rollback_to(<the step you restored>) once before saving (it sets the "
-                f"newer steps aside in every tier, kept but never restored); otherwise number this run's steps "
-                f"after {newest[0]}", step=step, tier=newest[1], path=self.local.url)
-
-    def _newest_committed(self) -> tuple[int, str] | None:
-        """The newest committed step this manager knows of that it did not save itself, and its tier."""
-        best: tuple[int, str] | None = None
-        if self._committed_floor is not None:
-            best = (self._committed_floor, "local")
-        remote = self._replicator.remote_steps() if self._replicator is not None else None
-        if remote:
-            newest = max(remote)
-            if (best is None or newest > best[0]) and (self._last_step is None or newest > self._last_step):
-                best = (newest, "remote")
-        return best
-
     def rollback_to(self, step: int) -> list[int]:
         """Make ``step`` the newest checkpoint of this run: every committed step after it, in every tier, is set
         aside: no longer a checkpoint (never restored, listed or deleted by retention), its data kept for
@@ -759,67 +585,31 @@ class CheckpointManager:
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        wait_futures(list(self._persisting))
-        newer: set[int] = set()
-        remote_newer: list[int] = []
-        if self.remote is not None:
-            listing = list_tiers([self.remote], deadline_s=self.options.remote_timeout_s)
-            if listing.failed:
-                raise next(iter(listing.failed.values()))
-            remote_newer = sorted(s for s in listing.known() if s > step)
-        local_newer = sorted(s for s in list_root(self.local).steps if s > step)
-        newer = set(remote_newer) | set(local_newer)
-        if self._replicator is not None:
-            self._replicator.forget(newer)
-        rank0 = self._coord is None or self._coord.topology.rank == 0
-        leader = self._coord is None or self._coord.topology.is_node_leader
-        if self.remote is not None and rank0:
-            for s in remote_newer:
-                uploader.set_aside(self.remote, s)
-        if leader:
-            for s in local_newer:
-                uploader.set_aside(self.local, s)
-        if self._coord is not None:
-            self._coord.barrier(self._coord.main_lane, what=f"rollback to step {step}")  # every tier first
-        if newer:
-            log.warning("rollback to step %d: set aside step(s) %s (local %s, remote %s)", step, sorted(newer),
-                        local_newer, remote_newer)
+        self._pipeline.wait_persisted()
+        newer = _rollback.set_aside_newer(self._engine, self._replicator, step)
         self._committed_floor = step if self._committed_floor is None else min(self._committed_floor, step)
         self._last_step = None if self._last_step is None or self._last_step <= step else step
-        return sorted(newer)
+        return newer
 
     def add_on_record(self, hook: Callable[[SaveRecord], None]) -> None:
         """Add an ``on_record`` hook after construction (a metrics exporter attached later); a hook already there
         is not added twice. ``ValueError`` if ``hook`` is not callable."""
-        (hook,) = _record_hooks(hook)
-        if not any(h is hook for h in self._on_record):
-            self._on_record = (*self._on_record, hook)  # one tuple swap: the thread that calls them sees either
+        self._log.add_hook(hook)
 
     def records(self) -> list[SaveRecord]:
         """Records of this manager's saves, oldest first."""
-        return list(self._records)
-
-    def _write_record(self, handle: SaveHandle) -> None:
-        rec = handle.record()
-        self._records.append(rec)
-        for hook in self._on_record:
-            try:
-                hook(rec)
-            except Exception as exc:  # a metrics exporter's bug never costs a checkpoint
-                log.warning("step %d: on_record hook %r raised %s: %s", rec.step, hook, type(exc).__name__, exc)
-        if not self.options.log_records:
-            return
-        try:
-            with open(os.path.join(self.local.root, layout.RECORDS_FILE), "a") as f:
-                f.write(rec.to_json() + "\n")
-        except OSError as exc:
-            log.warning("tier local: cannot append to %s: %s", layout.RECORDS_FILE, exc)
+        return self._log.records()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
             fd, self._lock_fd = self._lock_fd, -1
             folder_lock.release(fd)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (then every other call raises :class:`CheckpointError`)."""
+        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:
@@ -838,14 +628,10 @@ class CheckpointManager:
             self._closed = True
             if self._replicator is not None:
                 self._replicator.close(timeout)
-            self._snapshotter.shutdown(wait=True)
-            self._persist.shutdown(wait=True)
-            for h in self._hooks.values():
-                h.remove()
-            self._hooks.clear()
+            self._pipeline.close()
             self._io.shutdown(wait=True)
             self._hash.shutdown(wait=True)
-            self._pool.close()
+            self._engine.pool.close()
             self._engine.close()  # the restore's bounce buffers are unmapped with it
             self._preemption.uninstall()
             if self._coord is not None:
@@ -877,22 +663,3 @@ class CheckpointManager:
 def _common_steps(everyone: list[list[int]]) -> list[int]:
     """The steps every rank holds (rank 0 computes it at start-up): the only ones a multi-rank job resumes."""
     return sorted(set(everyone[0]).intersection(*map(set, everyone[1:])))
-
-
-def _leaf_records(plan: SnapshotPlan, locations: list[tuple[int, int]],
-                  flat: tree.FlatState) -> tuple[list[writer.LeafMeta], list[tuple[int, ...]]]:
-    """Every leaf's record and every file's leaf order for a snapshot of ``flat`` under ``plan``.
-
-    A save of a state laid out like the previous one (same plan, key paths, kinds and shards) gets the previous
-    lists back: they are never mutated (the persist thread only reads them), and rebuilding them costs a few
-    microseconds per tensor.
-    """
-    cached = plan.cache.get("records")
-    if cached is not None and cached[0] == flat.paths and cached[1] == flat.kinds and cached[2] == flat.shards:
-        return cached[3], cached[4]
-    meta = [writer.LeafMeta(s.name, p, s.dtype, s.shape, k, loc[0], loc[1], s.nbytes, sh)
-            for s, p, k, sh, loc in zip(flat.specs, flat.paths, flat.kinds, flat.shards, locations)]
-    file_leaves = [tuple(t.leaf for t in f.tensors) for f in plan.files]
-    plan.cache["records"] = (flat.paths, flat.kinds, flat.shards, meta, file_leaves)
-    return meta, file_leaves
-

@@ -133,6 +133,11 @@ class Slot:
     _populator: Populator | None = None
 
     @property
+    def populating(self) -> bool:
+        """Whether a thread is still faulting in this slot's pages (see :class:`Populator`)."""
+        return self._populator is not None
+
+    @property
     def capacity(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
@@ -204,6 +209,17 @@ class StagingPool:
                 raise
             return slot, True
         return slot, False
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """Every slot, in order (a slot's ``buffer`` is None until a save or restore allocates it)."""
+        return tuple(self._slots)
+
+    @property
+    def free_slots(self) -> int:
+        """How many slots no save or restore holds now."""
+        with self._cond:
+            return len(self._free)
 
     def ready(self, nbytes: int) -> bool:
         """Whether a free slot already holds a buffer of at least ``nbytes`` (an :meth:`acquire` now would neither

@@ -82,6 +82,11 @@ class BounceBuffers:
             self._free.append(buf)
             self._cond.notify()
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffers' memory is mapped (a read needed them)."""
+        return self._map is not None
+
     def free(self) -> int:
         """How many buffers are not handed out (all of them when no read is running)."""
         with self._cond:

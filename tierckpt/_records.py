@@ -1,0 +1,63 @@
+"""The records of a manager's saves: kept in memory, handed to ``on_record`` hooks, appended to ``saves.jsonl``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .format import layout
+from .handle import SaveHandle, SaveRecord
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[SaveRecord], None]
+
+
+def record_hooks(on_record: Any) -> tuple[Hook, ...]:
+    """``on_record`` as a tuple of callables. Raises ``ValueError`` for anything else."""
+    if on_record is None:
+        return ()
+    hooks = (on_record,) if callable(on_record) else on_record
+    if not isinstance(hooks, (list, tuple)) or not all(callable(h) for h in hooks):
+        raise ValueError(f"on_record must be a callable or a list of callables, got {on_record!r}")
+    return tuple(hooks)
+
+
+class SaveLog:
+    """Each resolved save's :class:`SaveRecord`, in order: kept, handed to every hook (a hook that raises is
+    logged, never allowed to cost a checkpoint) and, with ``log_to`` (the local folder), appended as one JSON line
+    to its ``saves.jsonl``. Written from the persist and upload threads; read from any."""
+
+    def __init__(self, hooks: tuple[Hook, ...], *, log_to: str | None) -> None:
+        self._hooks = hooks
+        self._path = None if log_to is None else os.path.join(log_to, layout.RECORDS_FILE)
+        self._records: list[SaveRecord] = []
+
+    def add_hook(self, hook: Hook) -> None:
+        """Add ``hook`` unless it is there already. Raises ``ValueError`` if it is not callable."""
+        (hook,) = record_hooks(hook)
+        if not any(h is hook for h in self._hooks):
+            self._hooks = (*self._hooks, hook)  # one tuple swap: the thread that calls them sees either
+
+    def records(self) -> list[SaveRecord]:
+        """The records so far, oldest first (a copy)."""
+        return list(self._records)
+
+    def write(self, handle: SaveHandle) -> None:
+        """Record ``handle``'s save, now that it resolved."""
+        rec = handle.record()
+        self._records.append(rec)
+        for hook in self._hooks:
+            try:
+                hook(rec)
+            except Exception as exc:  # a metrics exporter's bug never costs a checkpoint
+                log.warning("step %d: on_record hook %r raised %s: %s", rec.step, hook, type(exc).__name__, exc)
+        if self._path is None:
+            return
+        try:
+            with open(self._path, "a") as f:
+                f.write(rec.to_json() + "\n")
+        except OSError as exc:
+            log.warning("tier local: cannot append to %s: %s", layout.RECORDS_FILE, exc)
