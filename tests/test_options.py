@@ -43,3 +43,34 @@ def test_bad_values_are_refused_naming_the_option(tmp_path: Path, bad: dict) -> 
     (name,) = bad
     with pytest.raises(ValueError, match=name):
         CheckpointManager(tmp_path / "c", **bad)
+
+
+def test_options_come_in_groups_that_cover_every_option_once() -> None:
+    from tierckpt.options import GROUPS
+
+    names = [f.name for g in GROUPS for f in dataclasses.fields(g)]
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(Options)) and len(set(names)) == len(names)
+
+
+def test_a_group_passed_whole_sets_its_options_and_reads_back(tmp_path: Path) -> None:
+    from tierckpt import DistributedOptions, LocalTierOptions, RemoteTierOptions
+
+    local = LocalTierOptions(keep_local=4, writer_threads=3)
+    remote = RemoteTierOptions(keep_remote=7, remote_timeout_s=5.0)
+    with CheckpointManager(tmp_path / "c", local_tier=local, remote_tier=remote,
+                           distributed=DistributedOptions(collective_timeout_s=60.0), overlap_writes=False) as mgr:
+        assert mgr.options.group(LocalTierOptions) == local and mgr.options.group(RemoteTierOptions) == remote
+        assert (mgr.options.keep_local, mgr.options.writer_threads, mgr.options.keep_remote) == (4, 3, 7)
+        assert mgr.options.collective_timeout_s == 60.0
+        assert mgr.options.overlap_writes is False  # a keyword of a group not passed whole still counts
+
+
+def test_a_group_and_one_of_its_keywords_together_are_refused(tmp_path: Path) -> None:
+    from tierckpt import LocalTierOptions, RemoteTierOptions
+
+    with pytest.raises(ValueError, match="keep_local given both"):
+        CheckpointManager(tmp_path / "c", local_tier=LocalTierOptions(keep_local=4), keep_local=3)
+    with pytest.raises(ValueError, match="keep_local must be an int >= 1"):  # a group is validated like keywords
+        CheckpointManager(tmp_path / "d", local_tier=LocalTierOptions(keep_local=0))
+    with pytest.raises(ValueError, match="local_tier must be a LocalTierOptions"):
+        CheckpointManager(tmp_path / "e", local_tier=RemoteTierOptions())

@@ -22,6 +22,7 @@ from .errors import (
     UploadError,
 )
 from .handle import SaveHandle, SaveRecord
+from .options import DistributedOptions, LocalTierOptions, RemoteTierOptions
 from .replication import Health, ReplicationPolicy
 from .retention import KeepPolicy
 from .status import StepInfo
@@ -47,6 +48,9 @@ def __getattr__(name: str):
 __all__ = [
     "CheckpointManager",
     "LoadResult",
+    "LocalTierOptions",
+    "RemoteTierOptions",
+    "DistributedOptions",
     "CheckpointError",
     "CheckpointLockedError",
     "CheckpointNotFoundError",

@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -43,7 +42,14 @@ from ._records import SaveLog, record_hooks
 from .distributed import Coordinator, rank_and_world
 from .errors import CheckpointError, StorageError
 from .handle import SaveHandle, SaveRecord
-from .options import Options, check_metadata, check_storage_options
+from .options import (
+    DistributedOptions,
+    LocalTierOptions,
+    Options,
+    RemoteTierOptions,
+    check_metadata,
+    check_storage_options,
+)
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .replication import Health, ReplicationPolicy, Replicator
 from .snapshot import staging
@@ -64,54 +70,17 @@ log = logging.getLogger(__name__)
 class CheckpointManager:
     """Asynchronous tiered checkpointing: the one object a training loop uses (docs/getting-started.md is the guide).
 
+    Every option of the groups below (``keep_local`` ... ``create_bucket``) is also a keyword of its own, with the
+    default its group documents (the documentation's tuning page says when to change each and what it costs);
+    ``remote_direct_io`` and ``overlap_writes`` are internal heuristics (:class:`~tierckpt.options.Heuristics`).
+
     Args:
         local_dir: node-local folder (NVMe) for the fast tier; created if missing.
         remote: fsspec URL or path of the durable tier, or None.
         storage_options: passed to fsspec for ``remote``.
-        keep_local / keep_remote / keep_every: retention (newest N per tier; every K-th step kept in the remote).
-        writer_threads: parallel file writers (and readers) for the local tier.
-        staging_buffers: host staging slots, each the size of one snapshot; the memory budget is
-            ``staging_buffers x state bytes``. With 1, a save waits while the previous one is still being written.
-        file_size_mb: target size of one data file; large states are split so files write/read in parallel.
-        upload_threads / upload_bandwidth_mbps / upload_deadline_s / upload_part_mb / remote_compression /
-            verify_uploads: the remote tier's uploader.
-        remote_read_concurrency: ranged reads of one file kept in flight when reading from an object store
-            (a restore, a verification): each is a request that waits a round trip before its first byte.
-        remote_write_concurrency: parts of the uploads to S3 in flight at once (each ``upload_part_mb`` of memory);
-            1 sends each file's parts one after another.
-        remote_timeout_s: how long a restore, :meth:`steps`, :meth:`latest_step` and the start-up resume keep
-            trying to list the remote tier (retrying transient failures) before going on without it, or raising
-            :class:`StorageError` where no other tier answered (tens of seconds, not the minutes of backend
-            retries against a silent endpoint).
-        max_upload_backlog: committed local steps kept beyond ``keep_local`` while the remote is down or slower
-            than the saves (owed to the remote: ``keep_every`` milestones first, then the newest); the local tier
-            never holds more than ``keep_local + max_upload_backlog`` steps.
-        create_bucket: create the remote's bucket if it is missing (default: never; a mistyped bucket name fails).
-        cache_remote_restores: copy a step restored from the remote tier into the local tier (single-rank jobs).
-        collective_timeout_s: multi-rank jobs: how long a rank waits for the others to agree on a commit.
-        pin_memory: pin staging buffers (default: when CUDA is available).
-        lazy_snapshot: ``save()`` returns before the copy; it runs while the next forward/backward runs, and
-            :meth:`snapshot_barrier` (automatic before ``optimizer.step()``) waits for it. Tensors changed in place
-            before the barrier (BatchNorm running stats in forward, your own in-place updates) must be barriered
-            by hand.
-        direct_io: write the local tier's data files with ``O_DIRECT`` where the file system allows it: the bytes
-            go from the staging buffer to the disk without a copy through the page cache. A restore reads a file
-            that is not in the page cache direct too: into the staging buffer, or, in place, through a few bounce
-            buffers (a cached file, as after a buffered read of it, is read from memory). A remote given as a path
-            (a Lustre/Weka/NFS mount) is written and read the same way, the uploader writing it from one reused
-            buffer per file. False: everything through the page cache.
-        remote_direct_io: ``direct_io`` for a remote given as a path only (None: as ``direct_io``). False keeps a
-            mount whose ``O_DIRECT`` is slow (some NFS setups send each direct write to the server synchronously)
-            on the page cache while the local NVMe tier stays direct.
-        overlap_writes: start writing each file while the rest of a host state is still being copied (durable
-            sooner). None (auto): always with the native streaming copy; with torch's ``copy_`` (the native
-            copy not built) only when the process has a core for each copy thread and each writer, because on
-            fewer the writes slow the copy that training waits for (:func:`copier.overlap_pays`).
-        huge_pages: keep the pageable staging buffers, the in-place restore's bounce buffers and the uploader's
-            read buffers on transparent huge pages (None, auto: where the kernel offers them for ``madvise``;
-            pinned buffers come from CUDA as they are). Direct reads and writes of them then move 2 MiB DMA
-            segments instead of 4 KiB pages. False where fresh huge pages are slow, as on VMs whose balloon
-            reports free memory to the host (docs/design.md).
+        local_tier / remote_tier / distributed: the options of one tier, or of multi-rank jobs, as a group
+            (:class:`~tierckpt.options.LocalTierOptions`, :class:`~tierckpt.options.RemoteTierOptions`,
+            :class:`~tierckpt.options.DistributedOptions`), in place of their keywords.
         save_every_steps / save_every_seconds: the interval policy behind :meth:`should_save`.
         on_record: a callable, or a list of them, given each save's :class:`SaveRecord` (stall, persist and
             upload seconds, bytes, error, why an upload was skipped) once the save is resolved in every tier, in
@@ -158,9 +127,12 @@ class CheckpointManager:
         on_record: Callable[[SaveRecord], None] | Sequence[Callable[[SaveRecord], None]] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        local_tier: LocalTierOptions | None = None,
+        remote_tier: RemoteTierOptions | None = None,
+        distributed: DistributedOptions | None = None,
     ) -> None:
-        given = locals()
-        self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
+        self.options = Options.from_keywords(
+            locals(), {"local_tier": local_tier, "remote_tier": remote_tier, "distributed": distributed})
         if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
             raise ValueError(f"local_dir must be a non-empty path, got {local_dir!r}")
         hooks = record_hooks(on_record)
