@@ -18,6 +18,7 @@ import torch
 from helpers_core import assert_tensor_equal
 
 from tierckpt import CheckpointManager
+from tierckpt._pipeline import SavePipeline
 from tierckpt.snapshot import copier
 
 
@@ -84,13 +85,13 @@ def test_each_lazy_checkpoint_holds_the_state_of_its_save_call(tmp_path: Path, m
     job = _job(0)
     want = {}
     changed = threading.Event()  # the snapshot thread starts only once the caller has changed everything
-    real_flatten = CheckpointManager._flatten
+    real_flatten = SavePipeline._flatten
 
-    def late_flatten(self: CheckpointManager, state: Any) -> Any:
+    def late_flatten(self: SavePipeline, state: Any) -> Any:
         assert changed.wait(30)
         return real_flatten(self, state)
 
-    monkeypatch.setattr(CheckpointManager, "_flatten", late_flatten)
+    monkeypatch.setattr(SavePipeline, "_flatten", late_flatten)  # the pipeline's flatten of a lazy snapshot
     with CheckpointManager(tmp_path, lazy_snapshot=True, keep_local=10) as mgr:
         for i in range(1, 9):
             _step(job, i)

@@ -1,9 +1,11 @@
-"""The records of a manager's saves: kept in memory, handed to ``on_record`` hooks, appended to ``saves.jsonl``."""
+"""What a manager's background threads leave for its caller: the records of its saves (kept in memory, handed to
+``on_record`` hooks, appended to ``saves.jsonl``) and the errors its next call re-raises."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,3 +63,30 @@ class SaveLog:
                 f.write(rec.to_json() + "\n")
         except OSError as exc:
             log.warning("tier local: cannot append to %s: %s", layout.RECORDS_FILE, exc)
+
+
+class BackgroundErrors:
+    """Errors of the snapshot and persist threads, kept until the caller's next call re-raises the first (the
+    others are logged), as orbax does: a background failure is never lost and never raised twice."""
+
+    def __init__(self) -> None:
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def add(self, exc: BaseException, what: str) -> None:
+        """Keep ``exc`` (and log it with ``what`` failed)."""
+        log.error("%s: %s", what, exc)
+        with self._lock:
+            self._errors.append(exc)
+
+    def raise_first(self, more: list[BaseException] | None = None) -> None:
+        """Re-raise the first error kept (``more``: errors another component kept, after these); no-op if none."""
+        with self._lock:
+            self._errors.extend(more or ())
+            if not self._errors:
+                return
+            first, rest = self._errors[0], self._errors[1:]
+            self._errors.clear()
+        if rest:
+            log.error("%d more background checkpoint errors were logged above", len(rest))
+        raise first

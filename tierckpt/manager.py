@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,11 +33,11 @@ from typing import Any
 
 import torch
 
-from . import _gc, _load, _restore, _rollback, _sharded
+from . import _gc, _load, _restore, _rollback, _sharded, _uploads
 from ._engine import Components, Engine
 from ._memory import huge_pages_available
 from ._pipeline import SavePipeline
-from ._records import SaveLog, record_hooks
+from ._records import BackgroundErrors, SaveLog, record_hooks
 from .distributed import Coordinator, rank_and_world
 from .errors import CheckpointError, StorageError
 from .handle import SaveHandle, SaveRecord
@@ -59,7 +58,6 @@ from .storage.base import Store
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
-from .storage.retry import RetryPolicy
 from .tiers import uploader
 from .tiers.listing import TierListings, list_tiers
 from .tiers.verify import list_root
@@ -184,11 +182,10 @@ class CheckpointManager:
                               options=self.options, io=self._io, hash=self._hash, huge=self._huge, coord=self._coord,
                               pool=staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge))
         self._log = SaveLog(hooks, log_to=self.local.root if self.options.log_records else None)
-        self._pipeline = SavePipeline(self._engine, track=self._track, background_error=self._background_error,
+        self._errors = BackgroundErrors()
+        self._pipeline = SavePipeline(self._engine, track=self._track, background_error=self._errors.add,
                                       committed=self._committed, failed=self._log.write)
         self._last_step: int | None = None
-        self._errors: list[BaseException] = []
-        self._errors_lock = threading.Lock()
         self._pending: set[Future] = set()
         self._closed = False
         self._retention = ReplicationPolicy(keep_local=self.options.keep_local, keep_remote=self.options.keep_remote,
@@ -303,36 +300,14 @@ class CheckpointManager:
         if self._replicator is None:
             handle.uploaded.set_result(None)
             self._log.write(handle)
-            self._apply_local_retention()
+            _uploads.apply_local_retention(self._engine, self._retention)
         else:
             self._replicator.apply_local_retention()  # first: the local tier is trimmed when the upload resolves
             self._track(self._replicator.submit(handle.step, handle))
 
     # ------------------------------------------------------------------------------------------------ remote
     def _upload(self, step: int, attempt: str | None = None) -> None:
-        """Replicate committed local step ``step`` (the replicator's thread; ``attempt``: the multi-rank upload's
-        name, the same on every rank); raises on failure."""
-        assert self.remote is not None
-        opts = dict(threads=self.options.upload_threads, part_size=self.options.upload_part_mb << 20,
-                    compression=self.options.remote_compression, verify=self.options.verify_uploads,
-                    deadline_s=self.options.upload_deadline_s, bucket=self._bucket,
-                    retry=RetryPolicy(window_s=self.options.remote_timeout_s),
-                    stall_s=self.options.remote_timeout_s)  # a silent remote fails the step in that time
-        if self._coord is None:
-            uploader.replicate_step(self.local, self.remote, step, **opts)
-        else:
-            _sharded.upload(self._engine, step, opts, channel=self._channel, attempt=attempt)
-
-    def _apply_local_retention(self) -> None:
-        """Local retention without a remote tier: the newest ``keep_local`` steps stay (the node's leader decides
-        for a folder its ranks share)."""
-        if self._coord is not None and not self._coord.topology.is_node_leader:
-            return
-        try:
-            for step, _why in self._retention.local_deletions(list_root(self.local).steps, replicated=None):
-                uploader.delete_step(self.local, step)
-        except Exception as exc:
-            log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
+        _uploads.upload(self._engine, step, bucket=self._bucket, channel=self._channel, attempt=attempt)
 
     def health(self) -> Health:
         """Where both tiers stand: newest committed step per tier, upload lag in steps and seconds, the step being
@@ -386,24 +361,11 @@ class CheckpointManager:
                 raise TimeoutError(f"{len(not_done)} checkpoint operations still pending after {timeout} s")
         self._raise_background_error()
 
-    def _background_error(self, exc: BaseException, what: str) -> None:
-        log.error("%s: %s", what, exc)
-        with self._errors_lock:
-            self._errors.append(exc)
-
     def _raise_background_error(self, *, local_only: bool = False) -> None:
-        """Re-raise the first background error not raised yet (the others are logged). ``local_only``: only
-        failures to write the local tier; upload errors stay for ``wait()``/``close()``."""
-        with self._errors_lock:
-            if not local_only and self._replicator is not None:
-                self._errors.extend(self._replicator.take_errors())
-            if not self._errors:
-                return
-            first, rest = self._errors[0], self._errors[1:]
-            self._errors.clear()
-        if rest:
-            log.error("%d more background checkpoint errors were logged above", len(rest))
-        raise first
+        """Re-raise the first background error not raised yet. ``local_only``: only failures to write the local
+        tier; upload errors stay for ``wait()``/``close()``."""
+        uploads = self._replicator.take_errors() if not local_only and self._replicator is not None else None
+        self._errors.raise_first(uploads)
 
     # ------------------------------------------------------------------------------------------------ restore
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, source: str = "auto",
@@ -428,17 +390,9 @@ class CheckpointManager:
             StorageError: a tier that may hold the checkpoint could not be read (never None then).
             ValueError: a bad argument.
         """
-        self._check_open()
         if not isinstance(in_place, bool):
             raise ValueError(f"in_place must be a bool, got {in_place!r}")
-        if source not in ("auto", "local", "remote"):
-            raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
-        if step is not None and (type(step) is not int or step < 0):
-            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-        if source == "remote" and self.remote is None:
-            raise ValueError("source='remote' but this manager has no remote tier")
-        self.wait_persisted()  # a save still being written locally is loadable once it commits; not the uploads
-        tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
+        tiers = self._read_tiers(step, source)
         if self._coord is None:
             listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
         else:
@@ -489,6 +443,20 @@ class CheckpointManager:
                 naming it and the keys the step holds).
             ValueError: bad arguments.
         """
+        if keys is not None:
+            if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+                raise ValueError(f"keys must be None or a list or tuple of str, got {keys!r}")
+            if not keys:
+                raise ValueError("keys must name at least one top-level key (None loads them all)")
+        tiers = self._read_tiers(step, source)
+        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)  # each rank on its own
+        listing.require(step, ", ".join(t.url for t in tiers))
+        with _gc.paused():
+            return _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
+
+    def _read_tiers(self, step: int | None, source: str) -> list[Store]:
+        """The tiers a restore or load of ``step`` from ``source`` reads, once the saves made so far committed
+        locally (the uploads go on). Raises ``ValueError`` for a bad ``step`` or ``source``."""
         self._check_open()
         if step is not None and (type(step) is not int or step < 0):
             raise ValueError(f"step must be a non-negative int or None, got {step!r}")
@@ -496,17 +464,8 @@ class CheckpointManager:
             raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
         if source == "remote" and self.remote is None:
             raise ValueError("source='remote' but this manager has no remote tier")
-        if keys is not None:
-            if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
-                raise ValueError(f"keys must be None or a list or tuple of str, got {keys!r}")
-            if not keys:
-                raise ValueError("keys must name at least one top-level key (None loads them all)")
-        self.wait_persisted()  # a save still being written locally is loadable once it commits; not the uploads
-        tiers = [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
-        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)  # each rank on its own
-        listing.require(step, ", ".join(t.url for t in tiers))
-        with _gc.paused():
-            return _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
+        self.wait_persisted()  # a save still being written locally is loadable once it commits
+        return [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
 
     def wait_persisted(self) -> None:
         """Block until every save made so far is committed on the local tier (uploads go on in the background):
