@@ -107,7 +107,9 @@ class DenyingServer(Endpoint):
 
     def __init__(self, *, status: int = 403, code: str = "AccessDenied",
                  message: str = "Access Denied") -> None:
+        #: the HTTP status of every answer
         self.status = status
+        #: the XML error document every answer (but HEAD's) carries
         self.body = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
         self._server: _DenyingHTTPServer | None = None
         self._thread: threading.Thread | None = None
