@@ -382,7 +382,8 @@ def test_eight_ranks_make_the_local_calls_two_ranks_make(runs: dict[int, Any]) -
 def test_the_busiest_key_costs_the_same_per_save_whatever_w(runs: dict[int, Any]) -> None:
     """The busiest single object key is rank 0's step manifest.json, with the same requests per save at 8 ranks as
     at 2, and so is the root listing's prefix; the busiest prefix of a save is its step folder, which every rank
-    writes to: at least a PUT and a HEAD of its data file and of its rank manifest per rank."""
+    writes to: a PUT of its data file and of its rank manifest per rank, and no request asking for a size back
+    (rank 0's listing confirms them), plus rank 0's few requests for the commit."""
     for phase in ("save", "restart", "restart-wiped"):
         two, eight = runs[2][phase], runs[8][phase]
         assert eight["busiest_key_requests"] == two["busiest_key_requests"], (phase, two["busiest_key"],
@@ -392,7 +393,7 @@ def test_the_busiest_key_costs_the_same_per_save_whatever_w(runs: dict[int, Any]
         save = runs[world]["save"]
         assert save["busiest_key"]["kind"] == "step-manifest", save["busiest_key"]
         assert bench.in_step_folder(save["busiest_prefix"]["name"]), save["busiest_prefix"]
-        assert save["busiest_prefix_requests"] >= 4 * world, save["busiest_prefix"]
+        assert 2 * world <= save["busiest_prefix_requests"] <= 2 * world + 8, save["busiest_prefix"]
         assert save["busiest_prefix"]["writes"] >= 2 * world
         assert save["window_s"] > 0
         assert save["busiest_prefix_rate_per_s"] == pytest.approx(save["busiest_prefix_requests"] / save["window_s"])

@@ -559,3 +559,24 @@ def test_throttling_during_the_remote_commit_is_retried(tmp_path: Path, s3_serve
         mgr.close()
     finally:
         server.shutdown()
+
+
+def test_a_file_not_on_the_remote_at_the_size_its_rank_reported_fails_the_commit(tmp_path: Path) -> None:
+    """No rank asks the store for a file's size after its PUT; rank 0's one listing of the step folder checks every
+    reported file, and a short one keeps the step uncommitted, naming the rank."""
+    remote = tmp_path / "remote"
+    sid = _sharded.save_id("single-process-twin", 1)
+    rank1, data1 = layout.rank_manifest_name(1, sid), f"r00001-p0000-{sid}.safetensors"
+    folder = remote / layout.step_dir(1)
+    folder.mkdir(parents=True)
+    (folder / rank1).write_bytes(b"x" * 123)
+    (folder / data1).write_bytes(b"y" * 40)  # rank 1 reports 50 bytes: a short object
+    report = {"ref": [1, rank1, 123, "0" * 32], "sizes": {rank1: 123, data1: 50}}
+    mgr, _ = twin_manager(tmp_path / "n0", ok_peer(), remote=remote, upload_deadline_s=30,
+                          channel=lambda c: _ReportingChannel(c, lambda n: report))
+    h = mgr.save(1, state_at(1))
+    with pytest.raises(UploadError, match=r"files of rank\(s\) \[1\] are not on the remote as reported"):
+        mgr.wait()
+    assert isinstance(h.uploaded.exception(), UploadError)
+    assert not (folder / "manifest.json").exists()
+    mgr.close()

@@ -115,9 +115,11 @@ def _rank_of(name: str) -> int | None:
     return None
 
 
-def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> RankRef:
+def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> tuple[RankRef, dict[str, int]]:
     """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job);
-    returns the reference to the rank manifest written (its name, size and checksum)."""
+    returns the reference to the rank manifest written (its name, size and checksum) and the size of every file
+    written, by name. No file's size is asked of the store after its PUT: rank 0's one listing of the step folder
+    confirms them all before the commit (:func:`replicate_shards`)."""
 
     threads = opts.get("threads", 4)
     part_size = opts.get("part_size", DEFAULT_PART_SIZE)
@@ -139,7 +141,7 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
         remote.makedirs(folder)
         jobs = [(join(folder, rec.name), file_job(local, remote, ctx, rm, i, folder, join(folder, rec.name), part_size,
                                                    opts.get("compression"), opts.get("compression_level", 3),
-                                                   opts.get("verify", False)))
+                                                   opts.get("verify", False), check_size=False))
                 for i, rec in enumerate(rm.files)]
         results = run_jobs(pool, ctx, jobs)
         ctx.sent()
@@ -149,9 +151,11 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
             join(folder, layout.rank_manifest_name(rank, rm.save_id)), max_size=MAX_MANIFEST_BYTES)
         rel = join(folder, layout.rank_manifest_name(rank, rm.save_id))
         faults.point("before-remote-manifest")
-        run_jobs(pool, ctx, [(rel, bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False)))])
-        return RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex(),
-                       mesh_index(t.shard for t in rm.tensors))
+        run_jobs(pool, ctx, [(rel, bytes_job(remote, ctx, rel, raw, "write rank manifest", opts.get("verify", False),
+                                             check_size=False))])
+        ref = RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex(),
+                      mesh_index(t.shard for t in rm.tensors))
+        return ref, {ref.name: ref.size} | {f.name: f.stored_size or f.size for f in new.files}
     except TransferFailed as failed:
         raise UploadError(f"rank {rank}: cannot upload its shard: {failed.exc}", step=step, tier=remote.tier,
                           path=f"{remote.url}/{failed.rel}") from failed.exc
@@ -209,7 +213,7 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
         if go["skip"]:
             return False
     try:
-        ref = upload_shard(local, remote, step, rank, deadline_s=deadline_s, **opts)
+        ref, sizes = upload_shard(local, remote, step, rank, deadline_s=deadline_s, **opts)
     except Exception as exc:
         if rank == 0:
             channel.post(f"{attempt}/result", {"ok": False, "error": f"rank 0: {exc}"})
@@ -219,13 +223,13 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
         raise
     if rank != 0:
         channel.post(f"{attempt}/r{rank}", {"ref": [ref.rank, ref.name, ref.size, ref.checksum],
-                                             "mesh": [[k, list(c)] for k, c in ref.mesh]})
+                                             "mesh": [[k, list(c)] for k, c in ref.mesh], "sizes": sizes})
         outcome = result()
         if not outcome["ok"]:
             raise failed(f"the step is not committed remotely: {outcome['error']}")
         return True
     try:
-        final = _commit_reported(remote, manifest, ref, channel, attempt, deadline_s, retry)
+        final = _commit_reported(remote, manifest, ref, sizes, channel, attempt, deadline_s, retry)
     except Exception as exc:
         channel.post(f"{attempt}/result", {"ok": False, "error": str(exc)})
         raise
@@ -242,7 +246,8 @@ def _committed_manifest(remote: Store, folder: str, step: int) -> StepManifest |
         return None  # replaced by this upload
 
 
-def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, channel: CommitChannel, attempt: str,
+def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, sizes0: dict[str, int],
+                     channel: CommitChannel, attempt: str,
                      deadline_s: float | None, retry: RetryPolicy) -> StepManifest:
     """Rank 0: every rank's reported reference, confirmed by one listing of the step folder, then the commit."""
     step, folder = manifest.step, layout.step_dir(manifest.step)
@@ -258,10 +263,14 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, chann
                           + " could not upload their shards; the step is not committed remotely",
                           step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
     refs = {0: ref0} | {r: _reported(reports[f"{attempt}/r{r}"]) for r in range(1, manifest.world_size)}
+    sizes = {0: sizes0} | {r: reports[f"{attempt}/r{r}"].get("sizes") or {refs[r].name: refs[r].size}
+                           for r in range(1, manifest.world_size)}
     listed = retry.call(lambda: remote.sizes(folder), what=f"list {remote.url}/{folder}")
-    wrong = [r for r, ref in refs.items() if listed.get(ref.name) != ref.size]
+    # every file each rank wrote, at the size it wrote (the only check of the sizes: no request per file)
+    wrong = [r for r in refs if listed.get(refs[r].name) != refs[r].size
+             or any(listed.get(name) != size for name, size in sizes[r].items())]
     if wrong:
-        raise UploadError(f"the rank manifests of rank(s) {wrong} are not on the remote as reported; the step is not "
+        raise UploadError(f"the files of rank(s) {wrong} are not on the remote as reported; the step is not "
                           "committed remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
     final = dataclasses.replace(manifest, ranks=tuple(refs[r] for r in range(manifest.world_size)), holds_ranks=None)
     faults.point("remote-commit")

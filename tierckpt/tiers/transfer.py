@@ -191,8 +191,11 @@ def run_jobs(pool: ThreadPoolExecutor, ctx: Transfer, jobs: list[tuple[str, Call
 
 
 def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, index: int, staging: str, *,
-                 chunk: int, compression: str | None, level: int, verify: bool) -> tuple[FileRecord, int, int]:
-    """One attempt at one data file: stream, compress, write, check. Returns (remote record, read, written)."""
+                 chunk: int, compression: str | None, level: int, verify: bool,
+                 check_size: bool = True) -> tuple[FileRecord, int, int]:
+    """One attempt at one data file: stream, compress, write, check. Returns (remote record, read, written).
+    ``check_size``: ask the store for the written file's size (one request; a caller that confirms every size with
+    one listing later passes False)."""
     rec = rm.files[index]
     src = join(layout.step_dir(rm.step), rec.name)
     dst = join(staging, rec.name)
@@ -237,7 +240,7 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
     except BaseException:
         w.abort()
         raise
-    actual = remote.size(dst)
+    actual = remote.size(dst) if check_size else written
     if actual != written:
         raise Mismatch(f"{url_of(remote, dst)} is {actual} bytes after upload, {written} were sent")
     new = dataclasses.replace(rec, compression="zstd", stored_size=written) if compress else rec
@@ -260,15 +263,18 @@ def _verify_remote(remote: Store, rel: str, rm: RankManifest, index: int, rec: F
 
 
 def file_job(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, index: int, staging: str, rel: str,
-              chunk: int, compression: str | None, level: int, verify: bool) -> Callable[[], Any]:
+              chunk: int, compression: str | None, level: int, verify: bool,
+              check_size: bool = True) -> Callable[[], Any]:
     return lambda: ctx.call(lambda: _upload_file(local, remote, ctx, rm, index, staging, chunk=chunk,
-                                                 compression=compression, level=level, verify=verify), "upload", rel)
+                                                 compression=compression, level=level, verify=verify,
+                                                 check_size=check_size), "upload", rel)
 
 
-def bytes_job(remote: Store, ctx: Transfer, rel: str, raw: bytes, what: str, verify: bool) -> Callable[[], Any]:
+def bytes_job(remote: Store, ctx: Transfer, rel: str, raw: bytes, what: str, verify: bool,
+              check_size: bool = True) -> Callable[[], Any]:
     def once() -> None:
         remote.write_bytes(rel, raw)
-        actual = remote.size(rel)
+        actual = remote.size(rel) if check_size else len(raw)
         if actual != len(raw):
             raise Mismatch(f"{url_of(remote, rel)} is {actual} bytes after upload, {len(raw)} were sent")
         if verify and remote.read_bytes(rel, max_size=len(raw)) != raw:
