@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 DIRECT_READ_MIN_BYTES = 256 << 10
 #: ``in_place=True``: where the bytes not read straight into live tensors (headers, small tensors) are at most this
 #: share of the files and no staging slot of the size is ready, they land in a private buffer on small pages,
-#: freed after the restore, instead of a fresh staging slot. Either way they lie at their file offsets, scattered
+#: freed after the restore, instead of a fresh staging slot (a fresh slot took 3.1x the time cold and 20x warm at 0.5
+#: GiB, 1.3x and 3.8x at 2 GiB: benchmarks/restore_paths.py). Either way they lie at their file offsets, scattered
 #: over a state-sized range: in a slot on huge pages each small tensor faulted in a fresh 2 MiB page (the 2 GiB
 #: benchmark state touched 132 of them, 264 MiB for 2 MiB of bytes, 4-8 ms each on the benchmark VM), on small pages
 #: it faults in 4 KiB ones (511 of them). A slot that is ready costs nothing and is used.
@@ -68,6 +69,8 @@ SPARSE_MAX_SHARE = 0.25
 #: :data:`DIRECT_READ_MIN_BYTES` hold at least this share of the bytes: it saves their copy after the last read (2
 #: GiB: about 90 ms on the benchmark VM) but plans before it reads, where a staged restore plans while the disk
 #: works (the benchmark state's 592 tensors: 0.5 ms; more at many small tensors, whose bytes are staged anyway).
+#: Measured against staged (benchmarks/restore_paths.py, slot faulted in): 0.85-0.92x cold at 592 tensors, 1.3-1.6x
+#: warm, both within the spread two identical paths show on the benchmark VM.
 GUARD_MIN_SHARE = 0.5
 
 
@@ -283,7 +286,8 @@ def _bounce_buffers(eng: Engine, rm: RankManifest, holder: dict[str, Any], *,
     earlier restore made them; else, with ``borrow`` (the restore's other bytes go to a private buffer), cut from a
     staging slot that is ready (faulted in by a save, on huge pages where the pool is), held until the reads end
     (``holder["bounce_release"]``): no memory of their own and no fresh pages; else the manager's own, made here and
-    kept for later restores (they take memory only once a read uses them)."""
+    kept for later restores (they take memory only once a read uses them). Borrowing: fresh buffers of their own
+    took 1.2-1.8x the restore's time (per-round medians, 0.5 and 2 GiB cold; benchmarks/restore_paths.py)."""
     page = mmap.PAGESIZE
     need = min(BOUNCE_SIZE, -(-max((f.size for f in rm.files), default=1) // page) * page)
     count = BOUNCE_PER_THREAD * eng.options.writer_threads
