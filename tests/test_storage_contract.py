@@ -202,20 +202,6 @@ def test_read_ahead_over_the_store_reads_every_byte_in_order(store):
             assert b"".join(bytes(v) for _, v in chunks) == data  # a file shorter than asked ends early
 
 
-def test_prefetch_is_only_a_hint(store):
-    data = bytes(range(256)) * 64
-    store.write_bytes("p", data)
-    store.prefetch("p", 0, len(data))
-    store.prefetch("p", 10_000, 1 << 20)  # runs past the end
-    store.prefetch("missing", 0, 100)  # no such file
-    buf = bytearray(len(data))
-    assert store.readinto("p", 0, memoryview(buf)) == len(data) and bytes(buf) == data
-    for bad in ["../x", "a/../../x"]:
-        with pytest.raises(CheckpointError):
-            store.prefetch(bad, 0, 1)
-    if store.prefetch_reads:
-        assert store.local_path is not None
-
 # --- commit protocols ---------------------------------------------------------------------------------------------
 def test_uncommitted_step_is_never_committed(store):
     built = build_step(7)

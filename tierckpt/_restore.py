@@ -44,7 +44,7 @@ from .storage.base import Store, join
 from .storage.commit import protocol_for
 from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from .tiers.listing import TierListings, first_intact
-from .tiers.reader import PendingLoad, Prefetch, buffer_layout, fetch_file, read_ranks, read_step, start_load
+from .tiers.reader import PendingLoad, buffer_layout, fetch_file, read_ranks, read_step, start_load
 from .tiers.undo import UndoLog
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 DIRECT_READ_MIN_BYTES = 256 << 10
 #: ``in_place=True``: where the bytes not read straight into live tensors (headers, small tensors) are at most this
 #: share of the files and no staging slot of the size is ready, they land in a private buffer on small pages,
-#: freed after the restore, instead of a fresh staging slot. Either way they lie at their file offsets, scattered
+#: freed after the restore, instead of a fresh staging slot (a fresh slot took 3.1x the time cold and 20x warm at 0.5
+#: GiB, 1.3x and 3.8x at 2 GiB: benchmarks/restore_paths.py). Either way they lie at their file offsets, scattered
 #: over a state-sized range: in a slot on huge pages each small tensor faulted in a fresh 2 MiB page (the 2 GiB
 #: benchmark state touched 132 of them, 264 MiB for 2 MiB of bytes, 4-8 ms each on the benchmark VM), on small pages
 #: it faults in 4 KiB ones (511 of them). A slot that is ready costs nothing and is used.
@@ -68,6 +69,8 @@ SPARSE_MAX_SHARE = 0.25
 #: :data:`DIRECT_READ_MIN_BYTES` hold at least this share of the bytes: it saves their copy after the last read (2
 #: GiB: about 90 ms on the benchmark VM) but plans before it reads, where a staged restore plans while the disk
 #: works (the benchmark state's 592 tensors: 0.5 ms; more at many small tensors, whose bytes are staged anyway).
+#: Measured against staged (benchmarks/restore_paths.py, slot faulted in): 0.85-0.92x cold at 592 tensors, 1.3-1.6x
+#: warm, both within the spread two identical paths show on the benchmark VM.
 GUARD_MIN_SHARE = 0.5
 
 
@@ -141,17 +144,13 @@ def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any
     # with ``in_place``, each range's old bytes saved into the staging buffer first, which saves the copy of every
     # byte from the buffer into the tensors after the last read (see .tiers.undo)
     guardable = not in_place and not cache and store.local_path is not None
-    direct_reads = in_place or guardable  # decided for good once the rank manifest is read
     # Reads into the staging buffer do not depend on the plan, so they start first and the plan (long at many
     # tensors: it pairs every live tensor, the optimizer's included) runs while the disk works. Direct reads need
-    # the plan's targets first; while it is made, the store is asked to prefetch (0.5 GiB of 10,000 tensors, cold,
-    # in place: 0.76 -> 0.57 s). Staged reads do not prefetch: with them it measured a loss, cold and warm (0.5 GiB,
-    # cold: 0.70 -> 0.77 s at 10,000 tensors, 0.47 -> 0.59 s at 100), perhaps the page cache's new pages competing
-    # with the first touch of the staging buffer's (not confirmed). Nor do stores that read around the page cache
-    # (``direct_reads``): a prefetch would fill the cache the reads then take the slower buffered way from (2 GiB
-    # in place, cold, 8 interleaved: 1.12 s with it, 1.11 s without; a test saw a whole file go buffered).
-    prefetch_budget = None if direct_reads and not store.direct_reads else 0
-    prefetch = Prefetch(store, manifest, src, width=eng.options.writer_threads, budget=prefetch_budget)
+    # the plan's targets first, so they start after it. The disk is not asked to read ahead meanwhile
+    # (``posix_fadvise(WILLNEED)`` of the files while the plan is made): in place through the page cache
+    # (``direct_io=False``), 0.5 GiB cold, restores with it took 1.01x the time of those without at 592 and at
+    # 10,000 tensors (4 interleaved rounds), and with ``direct_io`` it would fill the cache the reads then go
+    # buffered from.
     holder: dict[str, Any] = {}
     # in place: the reads put all but a small rest straight into live tensors (SPARSE_MAX_SHARE; known before
     # ``alloc`` is called)
@@ -178,20 +177,17 @@ def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any
     scatter: dict[int, memoryview] = {}  # the part of ``direct`` the reads go straight into
     try:
         early: CorruptCheckpointError | None = None
-        try:
-            rms = read_ranks(store, manifest, [src])
-            if not rms:
-                raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
-            rm = rms[0]
-            direct_reads = in_place or (guardable and _worth_guarding(rm))
-            if not direct_reads:
-                try:
-                    pending = start_load(store, rm, alloc, executor=eng.io, hash_executor=eng.hash)
-                except CorruptCheckpointError as exc:
-                    early = exc  # a state mismatch, found by the plan, is the error to report first
-            plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=direct_reads)
-        finally:
-            prefetch.stop()
+        rms = read_ranks(store, manifest, [src])
+        if not rms:
+            raise CheckpointNotFoundError(f"rank {src} is not in the checkpoint", step=step, tier=store.tier)
+        rm = rms[0]
+        direct_reads = in_place or (guardable and _worth_guarding(rm))
+        if not direct_reads:
+            try:
+                pending = start_load(store, rm, alloc, executor=eng.io, hash_executor=eng.hash)
+            except CorruptCheckpointError as exc:
+                early = exc  # a state mismatch, found by the plan, is the error to report first
+        plan = plan_restore(state, rm.tree, rm.tensors, strict=strict, step=step, in_place=direct_reads)
         if early is not None:
             raise early
         if rm.world_size != eng.world_size and not plan.dtensor_targets:
@@ -290,7 +286,8 @@ def _bounce_buffers(eng: Engine, rm: RankManifest, holder: dict[str, Any], *,
     earlier restore made them; else, with ``borrow`` (the restore's other bytes go to a private buffer), cut from a
     staging slot that is ready (faulted in by a save, on huge pages where the pool is), held until the reads end
     (``holder["bounce_release"]``): no memory of their own and no fresh pages; else the manager's own, made here and
-    kept for later restores (they take memory only once a read uses them)."""
+    kept for later restores (they take memory only once a read uses them). Borrowing: fresh buffers of their own
+    took 1.2-1.8x the restore's time (per-round medians, 0.5 and 2 GiB cold; benchmarks/restore_paths.py)."""
     page = mmap.PAGESIZE
     need = min(BOUNCE_SIZE, -(-max((f.size for f in rm.files), default=1) // page) * page)
     count = BOUNCE_PER_THREAD * eng.options.writer_threads

@@ -157,6 +157,18 @@ def _restart(run: Run) -> tuple[str, str]:
     return head, stored_markdown(d.get("markdown"))
 
 
+def _restore_paths(run: Run) -> tuple[str, str]:
+    (name, d), = run
+    ratios: dict[str, list[float | None]] = {}
+    for key, v in d["summary"].items():
+        if v.get("neighbour"):
+            variant = key.rsplit(" ", 1)[1]
+            ratios.setdefault(f"{variant} / {v['neighbour']}", []).append(v.get("ratio_median"))
+    head = ("each path's time over its simpler neighbour's (per-round medians, cold and warm, every state): "
+            + ", ".join(f"{k} {x(vals)}" for k, vals in ratios.items()))
+    return head, stored_markdown(d.get("markdown"))
+
+
 def _counts(run: Run) -> tuple[str, str]:
     (name, d), = run
     few, many = d["by_count"][0], d["by_count"][-1]
@@ -343,6 +355,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "newest step (by default or with `in_place=True`, alternating) and saves at once; the parent times a raw "
         "cold `O_DIRECT` read of the same files next to it. Medians of 6 interleaved rounds.",
         _restart),
+    Benchmark(
+        "restore-paths", "Restore paths against their simpler neighbours", rf"cpu_{_TAG}_restore_paths\.json",
+        (".venv/bin/python benchmarks/restore_paths.py --states 0.5x592,0.5x10000,2x592 --rounds 4 "
+         "--out restore_paths.json",),
+        "Each path a restore takes, forced the other way through the module attribute that chooses it (the "
+        "variants of `benchmarks/restore_paths.py`), restoring one saved step cold (its files dropped from the "
+        "page cache with `posix_fadvise(DONTNEED)`) and warm, variants interleaved, 4 rounds; the ratio is the "
+        "median over the rounds of each path's time over its neighbour's in the same round. The default "
+        "restore's variants run in a manager whose staging slot is already faulted in; the in-place ones from a "
+        "fresh manager each time, as at a restart. [Design](design.md) says which paths remain and why.",
+        _restore_paths),
     Benchmark(
         "counts-2g", "Many small tensors, 2 GiB", rf"cpu_{_TAG}_counts2g\.json",
         ('.venv/bin/python benchmarks/bench.py --scaling --sizes "" --counts 100,10000 --count-size-gib 2 '

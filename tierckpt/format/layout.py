@@ -84,12 +84,6 @@ def data_file_name(rank: int, part: int, save_id: str) -> str:
     return f"r{rank:05d}-p{part:04d}-{save_id}.safetensors"
 
 
-def data_files_of(names: list[str], rank: int, save_id: str) -> list[str]:
-    """The data files of ``rank`` written by save ``save_id`` among ``names`` (a folder listing), in part order."""
-    prefix, suffix = f"r{rank:05d}-p", f"-{save_id}.safetensors"
-    return sorted(n for n in names if n.startswith(prefix) and n.endswith(suffix) and _SAFE_RE.match(n))
-
-
 def lock_name(rank: int) -> str:
     return f"{LOCK_PREFIX}{rank:05d}"
 

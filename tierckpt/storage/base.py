@@ -8,7 +8,6 @@ on those flags, never on the store's type:
   renamed into place; otherwise (object stores) they are written in place and ``manifest.json`` written last commits.
 - ``local_path``: the root is a local POSIX path, so callers may use OS calls (``preadv``, ``O_DIRECT``) directly.
 - ``parallel_writes``: concurrent writers to different files are worth it.
-- ``prefetch_reads``: :meth:`Store.prefetch` really starts reading (the OS page cache); elsewhere it is a no-op.
 - ``direct_reads``: :meth:`Store.readinto_direct` of a page-aligned buffer reads around the OS page cache
   (``O_DIRECT``), and :meth:`Store.uncached` tells which ranges are not cached: readers read those direct.
 - ``read_concurrency``: how many ranged reads of one file a reader keeps in flight (:mod:`.readahead`). 1 reads a
@@ -77,7 +76,6 @@ class Store(abc.ABC):
     atomic_rename: bool = False
     local_path: str | None = None
     parallel_writes: bool = True
-    prefetch_reads: bool = False
     direct_reads: bool = False
     read_concurrency: int = 1
 
@@ -141,12 +139,6 @@ class Store(abc.ABC):
             return False
         head = offset % mmap.PAGESIZE
         return self.uncached(rel, offset - head, length + head)
-
-    def prefetch(self, rel: str, offset: int, length: int) -> None:
-        """A hint that bytes ``[offset, offset + length)`` of ``rel`` will be read soon: stores that can
-        (``prefetch_reads``) start reading them in the background and return at once. Never raises for a missing
-        file or a range past its end; correctness never depends on it."""
-        join(rel)  # the same path rules as every other call
 
     @abc.abstractmethod
     def open_read(self, rel: str) -> BinaryIO:

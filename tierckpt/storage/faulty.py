@@ -206,7 +206,6 @@ class FaultyStore(Store):
         self.tier = inner.tier
         self.atomic_rename = inner.atomic_rename
         self.parallel_writes = inner.parallel_writes
-        self.prefetch_reads = False  # a restore's prefetch thread would shift the counted list/size calls
         self.local_path = inner.local_path if keep_local_path else None
 
     @property

@@ -16,9 +16,7 @@ restore after a restart: 10-20% faster on the benchmark host's disk, and no seco
 rest buffered; :meth:`LocalStore.uncached` tells whether a range is mostly out of the page cache (``cachestat``, else
 ``mincore`` on a mapping of the range: no I/O either way), and the reader (:mod:`tierckpt.tiers.reader`) reads direct
 only then, so a warm restore still reads from memory. The kernel writes back dirty cached pages of a range before a
-direct read of it, so either way the bytes are the file's. :meth:`LocalStore.prefetch` queues reads into the page cache
-(``posix_fadvise(WILLNEED)``), so that a buffered in-place restore keeps the disk busy while it parses manifests
-and plans.
+direct read of it, so either way the bytes are the file's.
 
 Atomic replacement of a step folder uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc have it
 (Linux >= 3.15, glibc >= 2.28): the new folder and the old one swap names in one step, so the step name always points at
@@ -245,7 +243,6 @@ class LocalStore(Store):
 
     atomic_rename = True
     parallel_writes = True
-    prefetch_reads = hasattr(os, "posix_fadvise")
 
     def __init__(self, root: str | os.PathLike[str], *, tier: str = "local", create: bool = True,
                  direct_io: bool = False, huge_pages: bool = False) -> None:
@@ -355,22 +352,6 @@ class LocalStore(Store):
         fd = os.open(self.path(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             return preadv_into(fd, offset, bufs)
-        finally:
-            os.close(fd)
-
-    def prefetch(self, rel: str, offset: int, length: int) -> None:
-        """``posix_fadvise(WILLNEED)``: the kernel queues the reads into the page cache and returns."""
-        path = self.path(rel)  # checks the path whether or not this platform prefetches
-        if not self.prefetch_reads:
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
         finally:
             os.close(fd)
 

@@ -5,6 +5,9 @@ needs (torch puts a large tensor 64 bytes past a page), so those reads went thro
 reference VM runs at half the speed of a direct read (and fills the cache with a copy of the state). Reading each
 piece of a file direct into one of these buffers and copying it out into the tensors costs one memory copy per byte
 (in C, without the GIL, on the file's hashing thread, beside the next read) and keeps the disk at direct-read speed.
+Buffered vectored reads into the tensors instead made cold restores of 592 tensors 1.4-1.6x as long guarded and
+4.4x in place at 2 GiB (benchmarks/restore_paths.py); at 10,000 tensors of 0.5 GiB in place they made it 0.58x
+(0.42-0.67): there the bounce buffers are behind.
 
 Invariants:
 - the buffers are cut from a staging slot that a save has faulted in, borrowed for one restore's reads (the

@@ -47,11 +47,8 @@ from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.readahead import ReadAhead, each
 from .bounce import BounceBuffers
-from .prefetch import PREFETCH_BYTES as PREFETCH_BYTES  # the names below are part of this module's interface too
-from .prefetch import PREFETCH_CHUNK as PREFETCH_CHUNK
-from .prefetch import Prefetch as Prefetch
 from .stream import FileStream, ends_early_error
-from .stream import fetch_file as fetch_file
+from .stream import fetch_file as fetch_file  # the names below are part of this module's interface too
 from .stream import mismatch_error as mismatch_error
 from .stream import segment_ends as segment_ends
 from .tasks import results, submit_all
