@@ -240,7 +240,7 @@ def _loads(ctx: Ctx, out: Metrics, load: Callable[[], None]) -> None:
 
 
 def case_memcpy(ctx: Ctx) -> Metrics:
-    """``copy_`` every tensor into its preallocated twin (``time``: the floor the issue names), and the same copy
+    """``copy_`` every tensor into its preallocated twin (``time``: the floor of a snapshot), and the same copy
     with streaming stores on ``ctx.threads`` threads (``time_stream``: tierckpt's native copy, the lower floor of
     this memory; absent where it is not built). The two go in turn first, by repeat."""
     from tierckpt.snapshot import hostcopy

@@ -7,7 +7,8 @@ and ``tiers`` never do.
 - :mod:`.staging`: the reusable host staging slots (pinned under CUDA), the copy's per-file watermarks, fault-in.
 - :mod:`.copier`: the copy of a flattened state into a staging slot (a CUDA copy stream, or host copies).
 - :mod:`.hostcopy`: host-to-host copies with streaming stores over threads, through the optional C extension.
-- :mod:`.load`: decoding a tree and loading it into the live state in place, checked before anything changes.
+- :mod:`.decode`: a saved tree decoded into plain values (``load()``, and the values a restore hands over).
+- :mod:`.load`: the plan that loads a tree into the live state in place, checked before anything changes.
 - :mod:`.loadbatch`: a restore plan's checks for a whole dict of plain tensors at once.
 - :mod:`.loaded`: a restore's loaded bytes as typed tensor views, address ranges and byte views of live tensors.
 - :mod:`.modules`: whether an ``nn.Module`` tree saves and loads like ``nn.Module`` itself (work may be skipped).
