@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from helpers_core import kill_state
-
+from tests._support.helpers import kill_state
 from tierckpt import CheckpointManager
 
 

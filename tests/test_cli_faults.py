@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_step, write_step
-from helpers_core import REPO_ROOT, subprocess_env
 
+from tests._support.helpers import REPO_ROOT, subprocess_env
+from tests._support.steps import build_step, write_step
 from tierckpt import CheckpointManager, cli
 from tierckpt.errors import StorageError
 from tierckpt.format import layout

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import REPO_ROOT, assert_tree_equal, cli_output, data_files, step_path, subprocess_env
 
+from tests._support.helpers import REPO_ROOT, assert_tree_equal, cli_output, data_files, step_path, subprocess_env
 from tierckpt import CheckpointManager
 from tierckpt.cli import main as cli_main
 from tierckpt.format import layout
@@ -226,8 +226,7 @@ def test_damaged_remote_and_failed_sync_exit_codes(tmp_path, s3_server, s3_bucke
 def test_sync_writes_a_posix_remote_around_the_page_cache(tmp_path, flag):
     """``tierckpt sync`` to a path writes the data files ``O_DIRECT`` from its reused buffer, as the manager does,
     unless ``--no-direct-io``; either way the remote step verifies and restores exactly."""
-    from helpers_core import cached_fraction, direct_io_supported
-
+    from tests._support.helpers import cached_fraction, direct_io_supported
     from tierckpt.storage.local import DIRECT_ALIGN
 
     if not direct_io_supported(tmp_path):

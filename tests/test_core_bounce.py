@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, data_files, direct_io_supported, evict_data_files, step_path
 
+from tests._support.helpers import assert_tensor_equal, data_files, direct_io_supported, evict_data_files, step_path
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt._memory import buffer_address
 from tierckpt.format import hashing

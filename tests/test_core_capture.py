@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers_core import small_mlp_after_one_step
 
+from tests._support.helpers import small_mlp_after_one_step
 from tierckpt import CheckpointManager
 from tierckpt.snapshot import capture, tree
 from tierckpt.snapshot.tree import GeneratorState, StateDictOf

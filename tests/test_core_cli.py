@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import cli_output, data_files, flip_byte, run_cli_parallel, step_path
 
+from tests._support.helpers import cli_output, data_files, flip_byte, run_cli_parallel, step_path
 from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(240)

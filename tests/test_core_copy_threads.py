@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, zeros_like_tree
 
+from tests._support.helpers import assert_tensor_equal, zeros_like_tree
 from tierckpt import CheckpointManager
 from tierckpt.snapshot import copier, hostcopy
 

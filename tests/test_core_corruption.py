@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import (
+
+from tests._support.helpers import (
     assert_tensor_equal,
     cli_output,
     data_files,
@@ -21,7 +22,6 @@ from helpers_core import (
     step_path,
     truncate_half,
 )
-
 from tierckpt import CheckpointError, CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 
 pytestmark = pytest.mark.timeout(180)

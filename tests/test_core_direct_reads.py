@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, cached_fraction, data_files, direct_io_supported, step_path
 
+from tests._support.helpers import assert_tensor_equal, cached_fraction, data_files, direct_io_supported, step_path
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt._memory import buffer_address
 from tierckpt.snapshot.staging import aligned_empty

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import (
+from torch import nn
+
+from tests._support.helpers import (
     assert_tensor_equal,
     assert_tree_equal,
     data_files,
@@ -18,8 +20,6 @@ from helpers_core import (
     step_manifest,
     step_path,
 )
-from torch import nn
-
 from tierckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 
 pytestmark = pytest.mark.timeout(120)

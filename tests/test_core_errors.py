@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_core import assert_tensor_equal
 from torch import nn
 
+from tests._support.helpers import assert_tensor_equal
 from tierckpt import CheckpointError, CheckpointManager
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_core import (
+
+from tests._support.helpers import (
     assert_tensor_equal,
     data_files,
     direct_io_supported,
@@ -24,7 +25,6 @@ from helpers_core import (
     tensor_bytes,
     train_steps,
 )
-
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt._memory import buffer_address
 from tierckpt.snapshot.staging import aligned_empty

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import small_mlp_after_one_step
 
+from tests._support.helpers import small_mlp_after_one_step
 from tierckpt.snapshot import tree
 
 

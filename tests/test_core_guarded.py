@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import (
+
+from tests._support.helpers import (
     assert_tree_equal,
     clone_tree,
     data_files,
@@ -24,7 +25,6 @@ from helpers_core import (
     flip_byte,
     step_path,
 )
-
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import reader

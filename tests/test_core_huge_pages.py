@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, direct_io_supported
 
+from tests._support.helpers import assert_tensor_equal, direct_io_supported
 from tierckpt import CheckpointManager
 from tierckpt._memory import HUGE_PAGE, anonymous_buffer, buffer_address, huge_pages_available
 

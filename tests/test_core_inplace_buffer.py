@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal, step_path
 
+from tests._support.helpers import assert_tensor_equal, step_path
 from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
 from tierckpt.snapshot import staging
 from tierckpt.storage.local import LocalStore

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_core import (
+
+from tests._support.helpers import (
     TESTS_DIR,
     assert_tree_equal,
     cli_output,
@@ -24,7 +25,6 @@ from helpers_core import (
     step_path,
     subprocess_env,
 )
-
 from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(240)

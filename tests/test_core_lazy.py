@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tensor_equal
 
+from tests._support.helpers import assert_tensor_equal
 from tierckpt import CheckpointManager
 from tierckpt.snapshot import copier
 

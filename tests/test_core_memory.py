@@ -8,8 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers_core import assert_tensor_equal
 
+from tests._support.helpers import assert_tensor_equal
 from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(180)

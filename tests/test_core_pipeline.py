@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal, clone_tree, leftovers, rank_manifests, step_path, zeros_like_tree
 
+from tests._support.helpers import assert_tree_equal, clone_tree, leftovers, rank_manifests, step_path, zeros_like_tree
 from tierckpt import CheckpointManager
 from tierckpt.format.plan import make_plan
 from tierckpt.snapshot import copier, hostcopy, staging, tree

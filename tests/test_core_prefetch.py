@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 
 import torch
-from helpers_core import assert_tree_equal, clone_tree, save_once, zeros_like_tree
 
 import tierckpt
+from tests._support.helpers import assert_tree_equal, clone_tree, save_once, zeros_like_tree
 from tierckpt.format import layout
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import prefetch, reader

@@ -10,9 +10,9 @@ import weakref
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal, zeros_like_tree
 
 import tierckpt
+from tests._support.helpers import assert_tree_equal, zeros_like_tree
 from tierckpt.errors import CheckpointError
 from tierckpt.snapshot import staging
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal, clone_tree, save_once, zeros_like_tree
 
 import tierckpt
+from tests._support.helpers import assert_tree_equal, clone_tree, save_once, zeros_like_tree
 from tierckpt import _restore
 from tierckpt.errors import StateMismatchError
 from tierckpt.format.manifest import TensorRecord

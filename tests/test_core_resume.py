@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers_core import assert_tensor_equal
 from torch import nn
 
+from tests._support.helpers import assert_tensor_equal
 from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(180)

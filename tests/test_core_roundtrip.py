@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_core import (
+from torch import nn
+
+from tests._support.helpers import (
     assert_array_equal,
     assert_tensor_equal,
     assert_tree_equal,
@@ -19,8 +21,6 @@ from helpers_core import (
     module_snapshot,
     train_steps,
 )
-from torch import nn
-
 from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(120)

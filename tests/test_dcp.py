@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ranks import assert_all_ok, rank_env, run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 import tierckpt
 import tierckpt.dcp as tdcp
+from tests._support.ranks import assert_all_ok, rank_env, run_ranks
 from tierckpt import cli
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 

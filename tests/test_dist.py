@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist_worker import make_state, summarize
-from _ranks import Ranks, assert_all_ok, rank_env, run_ranks
 
+from tests._dist_worker import make_state, summarize
+from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
 from tierckpt import cli
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -30,7 +30,7 @@ WORKER = TESTS_DIR / "_dist_worker.py"
 COLLECTIVE_TIMEOUT_S = 20
 
 
-Run = Ranks  # one job's outcome (tests/_ranks.py)
+Run = Ranks  # one job's outcome (tests/_support/ranks.py)
 
 
 def launch(scenario: str, world: int, root: Path, *, extra: dict[str, Any] | None = None, timeout: float = 120,
@@ -178,7 +178,7 @@ def test_different_local_progress_agree_on_newest_common_step(posix2: Run) -> No
 
 
 def _empty(rank: int) -> dict[str, Any]:
-    from _dist_worker import empty_state
+    from tests._dist_worker import empty_state
 
     return empty_state(rank)
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import Ranks, assert_all_ok, rank_env, run_ranks
-from _reshard_worker import (
+
+import tierckpt
+from tests._reshard_worker import (
     M2_SAVE_PLACEMENTS,
     damage_rank1,
     dt_full,
@@ -26,8 +27,7 @@ from _reshard_worker import (
     m2_full,
     same,
 )
-
-import tierckpt
+from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
 from tierckpt.errors import CorruptCheckpointError, StateMismatchError
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.reader import read_manifests
@@ -40,7 +40,7 @@ DT_KEYS = ("w", "e", "b", "r", "i")
 
 
 # ------------------------------------------------------------------------------------------------ jobs
-Run = Ranks  # one job's outcome (tests/_ranks.py)
+Run = Ranks  # one job's outcome (tests/_support/ranks.py)
 
 
 def launch(name: str, world: int, root: Path, timeout: float = 150) -> Run:

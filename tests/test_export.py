@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import assert_all_ok, rank_env, run_ranks
 from safetensors import safe_open
 
 import tierckpt
+from tests._support.ranks import assert_all_ok, rank_env, run_ranks
 from tierckpt.cli import main
 from tierckpt.export import ExportError, export_weights, parse_size
 from tierckpt.storage.local import LocalStore

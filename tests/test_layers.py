@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import REPO_ROOT, subprocess_env
 
+from tests._support.helpers import REPO_ROOT, subprocess_env
 from tierckpt import CheckpointManager
 
 PACKAGE = REPO_ROOT / "tierckpt"

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers_core import (
+
+from tests._support.helpers import (
     assert_array_equal,
     assert_tensor_equal,
     assert_tree_equal,
@@ -28,7 +29,6 @@ from helpers_core import (
     flip_byte,
     step_path,
 )
-
 from tierckpt import (
     CheckpointManager,
     CheckpointNotFoundError,
@@ -495,7 +495,7 @@ def test_closed_manager_refuses(tmp_path) -> None:
 def test_multi_rank_load_on_one_rank_and_on_all(tmp_path) -> None:
     """Two gloo ranks save a state with sharded and replicated DTensors; rank 0 alone loads (a collective would hang
     it until the collective timeout), then both load; each gets its own shard."""
-    from _ranks import assert_all_ok, rank_env, run_ranks
+    from tests._support.ranks import assert_all_ok, rank_env, run_ranks
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"root": str(tmp_path), "store": f"file://{tmp_path}/pg-store"}))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointLockedError, CheckpointManager, cli
 from tierckpt.tiers import writer
 from tierckpt.tiers.listing import list_root

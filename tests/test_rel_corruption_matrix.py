@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError, cli
 
 pytestmark = pytest.mark.timeout(240)

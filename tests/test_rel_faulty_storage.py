@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointError, CheckpointManager, UploadError, cli
 from tierckpt.storage.faulty import FaultyStore
 from tierckpt.tiers.listing import list_root

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import data_files, rank_manifests, step_path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests._support.helpers import data_files, rank_manifests, step_path
 from tierckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, cli
 from tierckpt.format import hashing
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest, TensorRecord, _seal

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _rel_kill_saver import MANAGER_KW, rel_empty, rel_state
-from helpers_core import TESTS_DIR, assert_tree_equal, cli_output, run_cli, subprocess_env
 
+from tests._rel_kill_saver import MANAGER_KW, rel_empty, rel_state
+from tests._support.helpers import TESTS_DIR, assert_tree_equal, cli_output, run_cli, subprocess_env
 from tierckpt import CheckpointManager, cli, faults
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.listing import list_root

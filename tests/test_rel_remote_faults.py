@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointManager, UploadError
 from tierckpt.storage.faulty import FaultyStore
 from tierckpt.tiers.listing import list_root

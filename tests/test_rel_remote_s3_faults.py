@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointManager, StorageError, UploadError
 from tierckpt.errors import StorageAccessError
 from tierckpt.testing import DenyingServer, FaultProxy, refused_url

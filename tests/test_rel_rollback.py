@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointError, CheckpointManager
 from tierckpt.errors import RollbackError, StorageAccessError
 from tierckpt.format import layout

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers_core import assert_tree_equal
 
+from tests._support.helpers import assert_tree_equal
 from tierckpt import CheckpointManager
 
 LONG = os.environ.get("TIERCKPT_LONG") == "1"

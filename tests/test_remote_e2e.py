@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_core import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
 
+from tests._support.helpers import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
 from tierckpt import CheckpointManager
 from tierckpt.format import layout
 from tierckpt.storage.fsspec_store import FsspecStore

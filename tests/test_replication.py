@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_step, write_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._support.steps import build_step, write_step
 from tierckpt.errors import StorageUnavailableError, UploadError
 from tierckpt.replication import ReplicationPolicy, Replicator
 from tierckpt.replication.policy import OVER_BACKLOG, REPLICATED, SUPERSEDED

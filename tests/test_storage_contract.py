@@ -7,8 +7,8 @@ import array
 import ctypes
 
 import pytest
-from conftest import build_step, write_step
 
+from tests._support.steps import build_step, write_step
 from tierckpt.errors import CheckpointError, StorageError
 from tierckpt.format import layout
 from tierckpt.storage.base import join

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_step, write_step
-from helpers_core import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
 
+from tests._support.helpers import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
+from tests._support.steps import build_step, write_step
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.format import layout
 from tierckpt.storage.faulty import FaultyFileSystem

@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-from conftest import build_step, write_step
 
+from tests._support.steps import build_step, write_step
 from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UploadError
 from tierckpt.format import layout
 from tierckpt.storage.base import join

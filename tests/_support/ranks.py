@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:

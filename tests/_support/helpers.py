@@ -1,4 +1,4 @@
-"""Shared helpers for the core (issue 2) tests: bit-exact comparisons, on-disk layout lookups, the real CLI."""
+"""Shared helpers of the tests: bit-exact comparisons, on-disk layout lookups, the real CLI, a child's environment."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 def subprocess_env() -> dict[str, str]:
