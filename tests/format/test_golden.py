@@ -1,6 +1,6 @@
-"""Every format version this code reads, from committed files (tests/golden/, written by the versions that wrote
-them; see tests/golden/make_golden.py): each copy restores into a live state and loads without one, with the
-saved values, and ``tierckpt verify`` finds it intact; a flipped byte in any of them is found."""
+"""Every format version this code reads, from committed files (tests/format/golden/, written by the versions that
+wrote them; see tests/format/golden/make_golden.py): each copy restores into a live state and loads without one, with
+the saved values, and ``tierckpt verify`` finds it intact; a flipped byte in any of them is found."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The golden checkpoints: one small state saved by each format version this code reads, in the local layout and
-as a zstd-compressed remote copy, committed under ``tests/golden/v<N>/``; ``tests/test_golden.py`` loads and
-verifies every one, so a format change can never silently stop old checkpoints from loading.
+as a zstd-compressed remote copy, committed under ``tests/format/golden/v<N>/``; ``tests/format/test_golden.py``
+loads and verifies every one, so a format change can never silently stop old checkpoints from loading.
 
 To add the copies of a new format version, run this file with the tierckpt that writes it importable:
 
-    PYTHONPATH=<that checkout> .venv/bin/python tests/golden/make_golden.py tests/golden/v<N>
+    PYTHONPATH=<that checkout> .venv/bin/python tests/format/golden/make_golden.py tests/format/golden/v<N>
 
 (version 1 was written by commit 1461f09's parent; version 2 by the code that introduced it). The state must not
 change: the test compares what each copy holds with :func:`golden_state`.
