@@ -190,7 +190,8 @@ def test_a_restore_from_an_uncached_step_reads_direct_and_is_exact(tmp_path: Pat
 def test_uncached_files_are_read_in_the_larger_direct_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file read whole around the cache goes in ``DIRECT_READ_CHUNK`` reads (a fresh buffer faults in inside each
     read, so fewer, larger reads keep the disk busier); a cached one in ``READ_CHUNK`` reads. (A staged restore:
-    a guarded one reads these large tensors in place, through bounce buffers; see test_core_guarded.py.)"""
+    a guarded one reads these large tensors in place, through bounce buffers; see
+    tests/engine/test_restore_guarded.py.)"""
     if not direct_io_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")
     from tierckpt import _restore

@@ -29,7 +29,7 @@ from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = TESTS_DIR / "_core_kill_saver.py"
+SCRIPT = Path(__file__).resolve().parent / "_core_kill_saver.py"
 
 
 def _spawn(mode: str, root: Path, seed: int) -> subprocess.Popen[str]:
