@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
-from tests._dist_worker import Recorder  # noqa: E402 - the house recorder of rank results
+from tests.distributed._dist_worker import Recorder  # noqa: E402 - the house recorder of rank results
 
 
 def build(world: int, seed: int):

@@ -42,7 +42,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "tierckpt"
 LOCAL_POINTS = ["staging", "mid-file", "before-fsync", "after-fsync", "before-manifest", "after-manifest",
                 "before-rename", "after-rename", "retention"]
 REMOTE_ONLY = ["mid-upload", "before-remote-manifest"]
-#: rank 0 of a multi-rank job only: killed there by tests/test_dist.py
+#: rank 0 of a multi-rank job only: killed there by tests/distributed/test_multi_process.py
 MULTI_RANK_ONLY = ["remote-commit"]
 #: hit counts guaranteed to be reached within STEPS saves (retention first runs at step 3: keep_local=2)
 MAX_HIT = {"staging": STEPS, "mid-file": STEPS, "before-fsync": 4 * STEPS, "after-fsync": 4 * STEPS,

@@ -1,4 +1,5 @@
-"""One rank of a resharding job for tests/test_dist_reshard.py (``python _reshard_worker.py JOB RANK WORLD ROOT``).
+"""One rank of a resharding job for tests/distributed/test_reshard.py
+(``python _reshard_worker.py JOB RANK WORLD ROOT``).
 
 Jobs:
 

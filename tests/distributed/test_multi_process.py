@@ -1,9 +1,9 @@
 """Issue 4 (distributed): real multi-process jobs on the gloo backend, one OS process per rank.
 
-Every rank is a ``python tests/_dist_worker.py`` process joined through a FileStore; each "node" is its own local
-folder, the remote tier is a shared POSIX folder or the S3 loopback server. One launch runs several phases (see the
-worker); the fixtures here launch once per module and the tests assert on what each rank recorded, then on the
-folders themselves. Single-process twins of the error paths: tests/test_dist_single.py.
+Every rank is a ``python tests/distributed/_dist_worker.py`` process joined through a FileStore; each "node" is its
+own local folder, the remote tier is a shared POSIX folder or the S3 loopback server. One launch runs several phases
+(see the worker); the fixtures here launch once per module and the tests assert on what each rank recorded, then on
+the folders themselves. Single-process twins of the error paths: tests/distributed/test_single_process.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests._dist_worker import make_state, summarize
 from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
+from tests.distributed._dist_worker import make_state, summarize
 from tierckpt import cli
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -178,7 +178,7 @@ def test_different_local_progress_agree_on_newest_common_step(posix2: Run) -> No
 
 
 def _empty(rank: int) -> dict[str, Any]:
-    from tests._dist_worker import empty_state
+    from tests.distributed._dist_worker import empty_state
 
     return empty_state(rank)
 

@@ -1,4 +1,5 @@
-"""One rank of a multi-process job for tests/test_dist.py (run as ``python _dist_worker.py SCENARIO RANK CONFIG``).
+"""One rank of a multi-process job for tests/distributed/test_multi_process.py (run as
+``python _dist_worker.py SCENARIO RANK CONFIG``).
 
 Each rank joins a gloo process group through a FileStore (no ports), runs the scenario's phases in order and writes
 what it saw after every phase to ``<root>/result-<scenario>-r<rank>.json`` (so a rank that dies leaves what it had).

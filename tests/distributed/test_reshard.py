@@ -2,11 +2,11 @@
 meshes, other placements than saved), bit-exact; replicated data stored once; and the error paths (global shape
 mismatch, a damaged shard of one rank in the remote, per-rank state onto another world size).
 
-Three multi-process jobs run (``tests/_reshard_worker.py``, gloo through a FileStore, one "node" folder per rank and
-a shared POSIX remote): ``save2`` (2 ranks), then ``load4`` (4 ranks) and ``load3`` (3 ranks). Each job runs many
-checks in one spawn (torch imports dominate the cost) and records per phase what every rank saw; the tests assert on
-those records. Single-process restores run in the test process itself (no process group), against a pristine copy of
-the remote taken right after ``save2`` (``load4`` damages the original at its end).
+Three multi-process jobs run (``tests/distributed/_reshard_worker.py``, gloo through a FileStore, one "node" folder
+per rank and a shared POSIX remote): ``save2`` (2 ranks), then ``load4`` (4 ranks) and ``load3`` (3 ranks). Each job
+runs many checks in one spawn (torch imports dominate the cost) and records per phase what every rank saw; the tests
+assert on those records. Single-process restores run in the test process itself (no process group), against a
+pristine copy of the remote taken right after ``save2`` (``load4`` damages the original at its end).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import tierckpt
-from tests._reshard_worker import (
+from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
+from tests.distributed._reshard_worker import (
     M2_SAVE_PLACEMENTS,
     damage_rank1,
     dt_full,
@@ -27,7 +28,6 @@ from tests._reshard_worker import (
     m2_full,
     same,
 )
-from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
 from tierckpt.errors import CorruptCheckpointError, StateMismatchError
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.reader import read_manifests
