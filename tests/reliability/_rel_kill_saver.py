@@ -1,4 +1,4 @@
-"""Fork server for the kill-anywhere harness (tests/test_rel_kill.py).
+"""Fork server for the kill-anywhere harness (tests/reliability/test_kill.py).
 
 Importing torch costs ~2 s per process, so one server process imports tierckpt once and forks a fresh child per
 trial. The server stays single-threaded (it never runs a torch op nor starts a manager), so forking is safe.

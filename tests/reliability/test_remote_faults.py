@@ -4,7 +4,7 @@ restore never waits for the upload backlog.
 
 The remote is a POSIX folder wrapped, after construction, in a :class:`FaultyStore` (``mgr.remote = faulty``: the
 replication component uploads through the manager's current remote); the S3 cases with real network faults are
-in ``test_rel_remote_s3_faults.py``.
+in ``test_remote_s3_faults.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ times, with and without a POSIX remote tier. After each kill a fresh manager mus
 or ``.trash-`` folders in either tier), restore the newest committed step with exact contents (nothing a finished
 ``wait()`` made durable is lost), pass ``tierckpt verify`` (exit 0) on every tier, and save the next step.
 
-The children are forked from a server that imported torch once (tests/_rel_kill_saver.py), so a kill costs ~0.3 s.
+The children are forked from a server that imported torch once (tests/reliability/_rel_kill_saver.py), so a kill
+costs ~0.3 s.
 Normal suite: every wired point with and without a remote, plus seeded random kills (a few dozen in all).
 ``TIERCKPT_LONG=1``: every point at several hit counts, and hundreds of random kills.
 """
@@ -25,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests._rel_kill_saver import MANAGER_KW, rel_empty, rel_state
 from tests._support.helpers import TESTS_DIR, assert_tree_equal, cli_output, run_cli, subprocess_env
+from tests.reliability._rel_kill_saver import MANAGER_KW, rel_empty, rel_state
 from tierckpt import CheckpointManager, cli, faults
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.listing import list_root
@@ -34,9 +35,9 @@ from tierckpt.tiers.listing import list_root
 LONG = os.environ.get("TIERCKPT_LONG") == "1"
 pytestmark = pytest.mark.timeout(1800 if LONG else 240)
 
-SCRIPT = TESTS_DIR / "_rel_kill_saver.py"
+SCRIPT = Path(__file__).resolve().parent / "_rel_kill_saver.py"
 STEPS = 4
-SOURCE = Path(__file__).resolve().parents[1] / "tierckpt"
+SOURCE = Path(__file__).resolve().parents[2] / "tierckpt"
 
 #: Points reached without a remote tier, and the extra ones only an upload reaches.
 LOCAL_POINTS = ["staging", "mid-file", "before-fsync", "after-fsync", "before-manifest", "after-manifest",
