@@ -34,7 +34,7 @@ GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadMo
 
 pytestmark = pytest.mark.timeout(180)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = (1, 2, 3)
 
 

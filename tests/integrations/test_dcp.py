@@ -1,7 +1,8 @@
 """tierckpt as the storage of torch.distributed.checkpoint (tierckpt/dcp/).
 
-Single process first (DCP without a process group), then real gloo jobs (tests/_dcp_worker.py) with an FSDP2 model
-and its optimizer through get_state_dict/set_state_dict: 2 ranks save and load, then a 4-rank save loaded on 2.
+Single process first (DCP without a process group), then real gloo jobs (tests/integrations/_dcp_worker.py) with an
+FSDP2 model and its optimizer through get_state_dict/set_state_dict: 2 ranks save and load, then a 4-rank save loaded
+on 2.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 import tierckpt
 import tierckpt.dcp as tdcp
-from tests._support.ranks import assert_all_ok, rank_env, run_ranks
+from tests._support.ranks import REPO_ROOT, assert_all_ok, rank_env, run_ranks
 from tierckpt import cli
 from tierckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -346,7 +347,7 @@ def test_a_step_killed_mid_save_is_never_chosen(tmp_path: Path, point: str) -> N
     import sys
 
     root = tmp_path / "root"
-    env = {**os.environ, "TIERCKPT_FAULT": f"{point}:2", "PYTHONPATH": str(TESTS_DIR.parent)}
+    env = {**os.environ, "TIERCKPT_FAULT": f"{point}:2", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run([sys.executable, str(TESTS_DIR / "_dcp_kill.py"), str(root)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""One rank of a multi-process DCP job for tests/test_dcp.py (``python _dcp_worker.py SCENARIO RANK CONFIG``).
+"""One rank of a multi-process DCP job for tests/integrations/test_dcp.py
+(``python _dcp_worker.py SCENARIO RANK CONFIG``).
 
 Each rank joins a gloo process group through a FileStore, builds a small FSDP2 model (``fully_shard`` on a CPU
 mesh), and saves or loads it through ``torch.distributed.checkpoint`` with tierckpt's writer, stager and reader.

@@ -1,7 +1,7 @@
 """Saves steps 1 and 2 through ``dcp.save`` with tierckpt's writer; run with ``TIERCKPT_FAULT=<point>:2`` it is
-SIGKILLed in the middle of step 2's commit (tests/test_dcp.py).
+SIGKILLed in the middle of step 2's commit (tests/integrations/test_dcp.py).
 
-    python tests/_dcp_kill.py ROOT
+    python tests/integrations/_dcp_kill.py ROOT
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_save_returns_before_the_write_is_durable(tmp_path):
 
 
 def _ddp(phase: str, out, remote: str | None = None) -> list[dict]:
-    """Run a phase of tests/_lightning_ddp.py (2 DDP processes on CPU) and return each rank's result."""
+    """Run a phase of tests/integrations/_lightning_ddp.py (2 DDP processes on CPU) and return each rank's result."""
     import subprocess
     import sys
 

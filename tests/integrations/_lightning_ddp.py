@@ -1,9 +1,9 @@
-"""One phase of a 2-process DDP Lightning job on CPU (gloo), for tests/test_lightning.py: ``fit`` trains N steps
-saving through TieredCheckpointIO, ``resume`` continues from ``ckpt_path="last"`` to 2N, ``straight`` trains 2N
-steps without checkpoints. Lightning's DDP launcher starts the second process by running this script again; each
-rank writes its final weights (as lists) and the loaded step to ``<out>/<phase>-r<rank>.json``.
+"""One phase of a 2-process DDP Lightning job on CPU (gloo), for tests/integrations/test_lightning.py: ``fit``
+trains N steps saving through TieredCheckpointIO, ``resume`` continues from ``ckpt_path="last"`` to 2N, ``straight``
+trains 2N steps without checkpoints. Lightning's DDP launcher starts the second process by running this script
+again; each rank writes its final weights (as lists) and the loaded step to ``<out>/<phase>-r<rank>.json``.
 
-    python tests/_lightning_ddp.py PHASE OUT_DIR [REMOTE]
+    python tests/integrations/_lightning_ddp.py PHASE OUT_DIR [REMOTE]
 """
 
 from __future__ import annotations
