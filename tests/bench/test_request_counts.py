@@ -22,7 +22,7 @@ pytest.importorskip("s3fs")
 
 pytestmark = [pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_restart_benchmark_runs_both_ways_in_fresh_processes(tmp_path: Path) -> None:
