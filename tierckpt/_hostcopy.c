@@ -6,7 +6,7 @@
  * glibc only streams copies larger than about 3/4 of the shared cache (hundreds of MiB on big hosts: more than
  * most tensors), and torch's copy_ never does.
  *
- * Contract (checked by tests/test_hostcopy.py): copy(dst, src, lengths, threads, streaming) copies lengths[i] bytes
+ * Contract (checked by tests/snapshot/test_hostcopy.py): copy(dst, src, lengths, threads, streaming) copies lengths[i] bytes
  * from address src[i] to address dst[i] for every i; the three arguments are buffers of uint64 of equal length.
  * The total is split into `threads` byte ranges of equal size, each copied by one thread (the caller's thread
  * runs the first). Ranges must not overlap. Returns only when every byte is copied and, for streaming stores,

@@ -1,0 +1,48 @@
+"""benchmarks/restart.py end to end on a tiny state: real child processes restore and save, the table says so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_restart_benchmark_runs_both_ways_in_fresh_processes(tmp_path: Path) -> None:
+    out = tmp_path / "restart.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "restart.py"), "--size-gib", "0.004", "--rounds", "1",
+         "--dir", str(tmp_path / "scratch"), "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "restart"
+    for way in ("default", "in_place"):
+        medians = report["summary"][way]["medians"]
+        # each child checked its restored step and a tensor's sum before it reported (it exits non-zero otherwise)
+        assert medians["restore"] > 0 and medians["stall"] > 0 and medians["read"] > 0
+        assert medians["durable"] >= medians["stall"]
+        assert medians["resume"] == medians["restore"] + medians["stall"]
+        assert f"| {way} |" in report["markdown"]
+
+
+def test_a_child_that_restores_the_wrong_bytes_fails_the_run(tmp_path: Path) -> None:
+    """The child's check is real: told to expect another sum, it exits non-zero and names what it found."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import restart
+        from state import gpt_state
+
+        import tierckpt
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    folder = tmp_path / "ck"
+    state = gpt_state(int(0.004 * (1 << 30)))
+    with tierckpt.CheckpointManager(folder) as mgr:
+        mgr.save(1, state)
+    with pytest.raises(RuntimeError, match="expected step 1"):
+        restart.run_child("default", folder, 0.004, 1, restart._probe_sum(state) + 1.0)
