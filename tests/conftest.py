@@ -27,18 +27,6 @@ _S3_ENV = {
 _bucket_ids = itertools.count()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """NumPy advises the kernel to put its large arrays on transparent huge pages (``madvise(MADV_HUGEPAGE)``). An
-    array that malloc placed in the heap leaves that advice on the heap's range after it is freed, so a torch buffer
-    allocated there later gets huge pages nobody asked for, depending on what earlier tests allocated. The advice is
-    off for the session: the huge-page tests see the pages tierckpt asked for."""
-    try:
-        from numpy._core.multiarray import _set_madvise_hugepage
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _set_madvise_hugepage
-    _set_madvise_hugepage(False)
-
-
 @dataclass(frozen=True)
 class S3Server:
     endpoint_url: str

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _THP = "/sys/kernel/mm/transparent_hugepage/"
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 
 
 def _pmd_size() -> int:
@@ -77,7 +78,9 @@ def buffer_address(view: memoryview) -> int | None:
 
 def anonymous_buffer(size: int, *, huge: bool = False) -> memoryview:
     """A writable, zero-filled buffer of ``size`` bytes in private anonymous memory, page-aligned, and with ``huge``
-    (where :func:`huge_pages_available`) aligned to :data:`HUGE_PAGE` and advised onto huge pages.
+    (where :func:`huge_pages_available`) aligned to :data:`HUGE_PAGE` and advised onto huge pages. Without
+    ``huge`` it is advised off them (``MADV_NOHUGEPAGE``), so that neither a system-wide ``always`` mode nor another
+    library's advice on a reused address range puts it there.
 
     Private, not Python's default shared mapping: shared anonymous memory is shmem, whose pages came out in
     descending physical order here, each its own DMA segment."""
@@ -88,6 +91,8 @@ def anonymous_buffer(size: int, *, huge: bool = False) -> memoryview:
     whole = mmap.mmap(-1, max(1, size + spare), flags=mmap.MAP_PRIVATE)
     view = memoryview(whole)
     if not huge:
+        if _madvise is not None and size >= HUGE_PAGE:
+            _madvise(ctypes.addressof(ctypes.c_char.from_buffer(view)), size - size % mmap.PAGESIZE, _MADV_NOHUGEPAGE)
         return view[:size]
     addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
     skip = -addr % HUGE_PAGE

@@ -210,3 +210,30 @@ def test_a_failed_huge_page_mapping_is_a_clear_error(monkeypatch: pytest.MonkeyP
     assert slot.capacity == 3 << 20
     pool.release(slot)
     pool.close()
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """``VmFlags`` of the mapping of this process that holds ``addr``."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= addr < hi
+            elif found and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping of this process holds address {addr:#x}")
+
+
+@needs_thp
+def test_a_buffer_without_huge_pages_is_advised_off_them() -> None:
+    """``huge_pages=False`` is a promise: the buffer is advised off huge pages (``nh``), so neither THP's
+    ``always`` mode nor a library's advice on a reused heap range (NumPy advises its large arrays onto them) puts
+    a staging buffer there."""
+    from tierckpt.snapshot.staging import aligned_empty
+
+    small = aligned_empty(16 << 20, pin=False, huge=False)
+    assert "nh" in _vm_flags(small.data_ptr())
+    big = aligned_empty(16 << 20, pin=False, huge=True)
+    assert "hg" in _vm_flags(big.data_ptr()) and "nh" not in _vm_flags(big.data_ptr())

@@ -361,13 +361,14 @@ class Populator:
 def aligned_empty(size: int, *, pin: bool, huge: bool = False) -> torch.Tensor:
     """A 1-D uint8 tensor of ``size`` bytes whose first byte sits on a :data:`BUFFER_ALIGN` boundary.
 
-    ``huge`` (pageable buffers only): private anonymous memory on transparent huge pages where the kernel offers
-    them (:func:`tierckpt._memory.anonymous_buffer`: direct reads and writes of it move fewer, larger DMA
-    segments). Otherwise torch's allocator, which aligns large blocks to 64 bytes or to a page plus a header; one
-    spare page and a view fix that. Pinned buffers always come from torch (the CUDA driver allocates them).
+    Pageable buffers are private anonymous memory (:func:`tierckpt._memory.anonymous_buffer`): with ``huge`` on
+    transparent huge pages where the kernel offers them (direct reads and writes of it move fewer, larger DMA
+    segments), without it advised off them whatever the heap around it was advised. Pinned buffers come from
+    torch (the CUDA driver allocates them), which aligns large blocks to 64 bytes or to a page plus a header; one
+    spare page and a view fix that.
     """
-    if huge and not pin:
-        return torch.from_numpy(np.frombuffer(anonymous_buffer(size, huge=True), dtype=np.uint8))
+    if not pin:
+        return torch.from_numpy(np.frombuffer(anonymous_buffer(size, huge=huge), dtype=np.uint8))
     raw = torch.empty(size + BUFFER_ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % BUFFER_ALIGN
     return raw[skip : skip + size]
