@@ -108,6 +108,7 @@ def test_each_save_lands_in_the_log_after_it_next_to_the_loss(tmp_path: Path, th
 
 
 def test_a_failed_upload_logs_stall_and_lag_without_upload_seconds(tmp_path: Path) -> None:
+    pytest.importorskip("s3fs")
     cb = tierhf.TieredCheckpointCallback(
         tmp_path / "c", remote="s3://bucket/run", save_steps=EVERY, remote_timeout_s=2, upload_deadline_s=3,
         storage_options={"client_kwargs": {"endpoint_url": refused_url()}, "key": "k", "secret": "s"})

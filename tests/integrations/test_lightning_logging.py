@@ -95,6 +95,7 @@ def test_each_save_is_logged_at_its_step_next_to_the_loss(tmp_path: Path) -> Non
 
 def test_a_failed_upload_logs_stall_and_persist_without_upload_seconds(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("s3fs")
     io = TieredCheckpointIO(tmp_path / "c", remote="s3://bucket/run", remote_timeout_s=2, upload_deadline_s=3,
                             storage_options={"client_kwargs": {"endpoint_url": refused_url()}, "key": "k",
                                              "secret": "s"})

@@ -37,6 +37,7 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
 
 
 def refused_manager(tmp_path: Path, **kw: Any) -> CheckpointManager:
+    pytest.importorskip("s3fs")
     return CheckpointManager(tmp_path / "c", remote="s3://bucket/run", remote_timeout_s=2, upload_deadline_s=3,
                              storage_options={"client_kwargs": {"endpoint_url": refused_url()}, "key": "k",
                                               "secret": "s"}, **kw)
