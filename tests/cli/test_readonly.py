@@ -1,4 +1,4 @@
-"""Issue 2: the operators' CLI (`python -m tierckpt`): ls, verify exit codes 0/1/2 and --json, inspect."""
+"""The operators' CLI (`python -m tierckpt`): ls, verify exit codes 0/1/2 and --json, inspect."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Remote-tier CLI (issue 3): ``tierckpt sync``, ``pull`` and ``prune``, and ``ls``/``verify`` on ``s3://`` URLs,
+"""Remote-tier CLI: ``tierckpt sync``, ``pull`` and ``prune``, and ``ls``/``verify`` on ``s3://`` URLs,
 all run as real subprocesses (``python -m tierckpt``) against the moto S3 server on loopback."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 4 (distributed): real multi-process jobs on the gloo backend, one OS process per rank.
+"""Real multi-process jobs on the gloo backend, one OS process per rank.
 
 Every rank is a ``python tests/distributed/_dist_worker.py`` process joined through a FileStore; each "node" is its
 own local folder, the remote tier is a shared POSIX folder or the S3 loopback server. One launch runs several phases

@@ -1,4 +1,4 @@
-"""Issue 4 (distributed): single-process twins of the multi-rank error paths of tests/distributed/test_multi_process.py.
+"""Single-process twins of the multi-rank error paths of tests/distributed/test_multi_process.py.
 
 Two levels, both in this process, no torch.distributed:
 

@@ -1,4 +1,4 @@
-"""Issue 5: the fast paths keep every guarantee.
+"""The fast paths keep every guarantee.
 
 - ``O_DIRECT`` writes of the local tier (``direct_io=True``, the default): aligned pieces go direct, an unaligned
   piece (a file's tail, a ``bytes`` object) switches the file to buffered I/O, and the file reads back exactly;

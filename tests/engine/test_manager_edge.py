@@ -1,4 +1,4 @@
-"""Issue 2, edge cases of the contract: aliasing views, colliding key names, parameters that require grad, the
+"""Edge cases of the contract: aliasing views, colliding key names, parameters that require grad, the
 safetensors format of the data files, JSON manifests, retention, leftovers, error context."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 2: clear errors for unsupported values, mismatched states, out-of-order steps and background failures."""
+"""Clear errors for unsupported values, mismatched states, out-of-order steps and background failures."""
 
 from __future__ import annotations
 

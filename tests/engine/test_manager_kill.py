@@ -1,4 +1,4 @@
-"""Issue 2: a process SIGKILLed during a save leaves the previous checkpoint restorable, `verify` clean, and the next
+"""A process SIGKILLed during a save leaves the previous checkpoint restorable, `verify` clean, and the next
 run working; a committed step being replaced is never lost when the replacing process is killed."""
 
 from __future__ import annotations

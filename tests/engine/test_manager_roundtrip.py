@@ -1,4 +1,4 @@
-"""Issue 2: every state type round-trips bit-exactly through a real checkpoint folder; saving never touches the RNGs;
+"""Every state type round-trips bit-exactly through a real checkpoint folder; saving never touches the RNGs;
 the checkpoint holds the values at save() even when tensors change right after; the handle's futures."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Remote tier end to end (issue 3): ``CheckpointManager`` with ``remote="s3://..."`` against the moto S3 server on
+"""Remote tier end to end: ``CheckpointManager`` with ``remote="s3://..."`` against the moto S3 server on
 loopback, a POSIX remote folder, zstd remote copies, retention per tier, damaged objects, and a process SIGKILLed
 mid-upload whose upload a restarted manager finishes."""
 

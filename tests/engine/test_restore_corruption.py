@@ -1,4 +1,4 @@
-"""Issue 2: corruption of real checkpoint files is detected by `tierckpt verify` (exit 1, names the file) and by
+"""Corruption of real checkpoint files is detected by `tierckpt verify` (exit 1, names the file) and by
 `restore` (falls back to the older intact step; an explicit bad step raises CorruptCheckpointError)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 5: a default restore of local files is guarded. It reads its large CPU tensors in place, saving each
+"""A default restore of local files is guarded. It reads its large CPU tensors in place, saving each
 range's old bytes into its staging slot just before the range is overwritten (``tiers.undo.UndoLog``), so no copy
 of every byte follows the last read. A restore that fails puts the old bytes back: the state is bit-identical to
 before, whether the files are read cold (``O_DIRECT`` through bounce buffers) or warm (vectored reads), whether a

@@ -1,4 +1,4 @@
-"""Issue 5: where an in-place restore reads the bytes that do not go straight into live tensors.
+"""Where an in-place restore reads the bytes that do not go straight into live tensors.
 
 Those bytes (file headers, tensors under the direct-read threshold) lie at their file offsets in a state-sized
 buffer. With no staging slot ready, a fresh manager's restore (a restart) puts them in a private buffer on small

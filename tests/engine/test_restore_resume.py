@@ -1,4 +1,4 @@
-"""Issue 2: a training run resumed from a checkpoint is bit-identical to an uninterrupted one."""
+"""A training run resumed from a checkpoint is bit-identical to an uninterrupted one."""
 
 from __future__ import annotations
 

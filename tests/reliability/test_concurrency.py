@@ -1,4 +1,4 @@
-"""Issue 6, concurrency: two managers on one folder, restore during an upload, save() while the previous save is
+"""Concurrency: two managers on one folder, restore during an upload, save() while the previous save is
 still persisting (one staging buffer: back-pressure), close() with pending work, and an exception inside
 ``with CheckpointManager(...)``."""
 

@@ -1,4 +1,4 @@
-"""Issue 6, corruption matrix: for the local tier, a POSIX remote tier and S3 (moto), each file kind (data file, the
+"""Corruption matrix: for the local tier, a POSIX remote tier and S3 (moto), each file kind (data file, the
 safetensors header region of a data file, the rank manifest, manifest.json) damaged each way (bit flip, truncation,
 deletion, zero-fill, the same file from another step swapped in), plus a junk file added to a step folder.
 

@@ -1,4 +1,4 @@
-"""Issue 6, faulty storage: a really full local disk (ENOSPC on a small tmpfs, mounted when the test runs as root;
+"""Faulty storage: a really full local disk (ENOSPC on a small tmpfs, mounted when the test runs as root;
 skipped otherwise) and a remote tier that is down for a while.
 
 The manager does not take a Store for its remote (it opens a URL), so the remote-down tests build a manager on a

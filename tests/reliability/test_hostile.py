@@ -1,4 +1,4 @@
-"""Issue 6, hostile checkpoints: hand-crafted manifests and data files that try to escape the folder, make the reader
+"""Hostile checkpoints: hand-crafted manifests and data files that try to escape the folder, make the reader
 allocate absurd sizes, confuse the parsers, or run code. Each must end in a CheckpointError (CorruptCheckpointError)
 before any large allocation, read nothing outside the checkpoint's folder, and execute nothing.
 

@@ -1,4 +1,4 @@
-"""Issue 6, kill anywhere: a saver SIGKILLed at every named fault point (``TIERCKPT_FAULT``) and at seeded random
+"""Kill anywhere: a saver SIGKILLed at every named fault point (``TIERCKPT_FAULT``) and at seeded random
 times, with and without a POSIX remote tier. After each kill a fresh manager must: clean the leftovers (no ``.tmp-``
 or ``.trash-`` folders in either tier), restore the newest committed step with exact contents (nothing a finished
 ``wait()`` made durable is lost), pass ``tierckpt verify`` (exit 0) on every tier, and save the next step.

@@ -1,4 +1,4 @@
-"""Issue 6, soak: many saves and restores in one process with a small state. RSS, open file descriptors and the
+"""Soak: many saves and restores in one process with a small state. RSS, open file descriptors and the
 thread count stay flat; every save leaves a record (API and saves.jsonl). 120 rounds in the suite, 2000 with
 TIERCKPT_LONG=1."""
 

@@ -1,4 +1,4 @@
-"""Issue 5: pageable staging buffers and the in-place restore's bounce buffers sit on transparent huge pages
+"""Pageable staging buffers and the in-place restore's bounce buffers sit on transparent huge pages
 (``huge_pages``, auto by default), so direct reads and writes of them move 2 MiB DMA segments.
 
 Real memory: what the kernel actually mapped is read from ``/proc/self/smaps`` (``AnonHugePages`` of the mapping

@@ -1,4 +1,4 @@
-"""Issue 2: host buffers are allocated once and reused; back-to-back saves do not allocate without bound."""
+"""Host buffers are allocated once and reused; back-to-back saves do not allocate without bound."""
 
 from __future__ import annotations
 

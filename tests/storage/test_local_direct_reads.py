@@ -1,4 +1,4 @@
-"""Issue 5: a restore reads uncached files around the page cache and keeps every guarantee.
+"""A restore reads uncached files around the page cache and keeps every guarantee.
 
 ``LocalStore(direct_io=True)`` (the local tier's default) has ``direct_reads``: ``readinto_direct`` reads the aligned
 bulk of a page-aligned buffer with ``O_DIRECT`` (an unaligned buffer and a file's unaligned tail buffered), and

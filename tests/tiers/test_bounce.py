@@ -1,4 +1,4 @@
-"""Issue 5: an in-place restore reads files that are not in the page cache with ``O_DIRECT`` through a few bounce
+"""An in-place restore reads files that are not in the page cache with ``O_DIRECT`` through a few bounce
 buffers, copies each out into the tensors and hashes the bytes where they landed; every guarantee stays.
 
 Real files on the real disk; the page cache is emptied per file (``fsync`` + ``posix_fadvise(DONTNEED)``) and read
