@@ -187,46 +187,71 @@ def measure_tierckpt(
 def measure_dcp(
     state: dict[str, Any], nbytes: int, root: Path, stager: bool, runs: int, torch: Any
 ) -> dict[str, Any]:
-    """DCP async_save stall (and staging time with DefaultStager), durable time; first run is reported apart."""
+    """DCP async_save stall (and staging time with DefaultStager), durable time; first run is reported apart.
+
+    With ``stager`` one ``DefaultStager`` serves every save, as a training loop would use it. Where this torch
+    cannot stage twice with one (torch 2.11: pytorch/pytorch#183413, its staging closes itself), each save gets a
+    fresh stager, which is how DCP runs there, and ``stager_reuse`` says so."""
     import torch.distributed.checkpoint as dcp
 
-    st = None
-    kwargs: dict[str, Any] = {}
-    if stager:
+    def new_stager() -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        st = DefaultStager(StagingOptions(True, False, True, True))
-        kwargs["async_stager"] = st
+        return DefaultStager(StagingOptions(True, False, True, True))
+
+    st = new_stager() if stager else None
+    reuse = stager
     rs: list[dict[str, float]] = []
+
+    def one(d: Path) -> dict[str, float]:
+        kwargs: dict[str, Any] = {"async_stager": st} if st is not None else {}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        resp = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True, **kwargs)
+        r = {"stall_return": time.perf_counter() - t0}
+        if hasattr(resp, "staging_completion"):
+            resp.staging_completion.result()
+            r["stall"] = time.perf_counter() - t0
+            fut = resp.upload_completion
+        else:
+            r["stall"] = r["stall_return"]
+            fut = resp
+        fut.result()
+        r["durable"] = time.perf_counter() - t0
+        return r
+
     try:
         for k in range(runs):
             d = root / f"dcp{k}"
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            resp = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True, **kwargs)
-            r = {"stall_return": time.perf_counter() - t0}
-            if hasattr(resp, "staging_completion"):
-                resp.staging_completion.result()
-                r["stall"] = time.perf_counter() - t0
-                fut = resp.upload_completion
-            else:
-                r["stall"] = r["stall_return"]
-                fut = resp
-            fut.result()
-            r["durable"] = time.perf_counter() - t0
-            rs.append(r)
+            if st is not None and k > 0 and not reuse:
+                st.close()
+                st = new_stager()
+            try:
+                rs.append(one(d))
+            except KeyError:
+                if not (stager and reuse and k > 0):
+                    raise
+                log("DefaultStager cannot stage a second time on this torch; a fresh one per save")
+                reuse = False
+                shutil.rmtree(d, ignore_errors=True)
+                st.close()
+                st = new_stager()
+                rs.append(one(d))
             shutil.rmtree(d, ignore_errors=True)
     finally:
         if st is not None:
             st.close()
     steady = rs[1:] or rs
-    return {
+    out: dict[str, Any] = {
         "first": rs[0],
         "stall_return_s": med([r["stall_return"] for r in steady]),
         "stall_s": med([r["stall"] for r in steady]),
         "durable_s": med([r["durable"] for r in steady]),
         "stall_gbps": nbytes / med([r["stall"] for r in steady]) / 1e9,
     }
+    if stager:
+        out["stager_reuse"] = reuse
+    return out
 
 
 def check_race(tc: Any, state: dict[str, Any], root: Path, torch: Any) -> dict[str, Any]:

@@ -316,6 +316,12 @@ def _gpu(run: Run) -> tuple[str, str]:
     if dc:
         rows.append(["DCP `async_save` stall, later saves", f"{dc['stall_s']:.3f} s", f"{dc['stall_gbps']:.1f} GB/s"])
         rows.append(["DCP `async_save` durable", f"{dc['durable_s']:.2f} s", ""])
+    ds = d.get("dcp_async_save_DefaultStager") or {}
+    if ds:
+        reused = ds.get("stager_reuse", True)
+        how = "one stager reused" if reused else "a fresh stager a save: this torch cannot reuse one"
+        rows.append([f"DCP `async_save` + `DefaultStager` stall, later saves ({how})", f"{ds['stall_s']:.3f} s",
+                     f"{ds['stall_gbps']:.1f} GB/s"])
     for what, err in (d.get("errors") or {}).items():
         rows.append([f"{what}: failed", f"`{err}`", ""])
     return head, table(["", "seconds", "rate"], rows)
