@@ -16,6 +16,9 @@ rank 0's wait run out after ``collective_timeout_s``; rank 0 then answers every 
 that never arrived. If rank 0 itself dies, the others' waits for its answer run out after twice that time, with an
 error saying so.
 
+Agreements carry JSON of a fixed set of types (:mod:`._messages`): nothing a rank reads from the store is
+unpickled.
+
 The upload thread coordinates through the same store (:class:`StoreChannel`): rank 0's replication decisions and
 each multi-rank upload's messages.
 """
@@ -26,17 +29,19 @@ import datetime
 import json
 import logging
 import os
-import pickle
 import secrets
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from ._messages import Codec, MessageError
 from .errors import CheckpointError
+from .format.manifest import RankRef, StepManifest
+from .tiers.listing import TierListings
 
 log = logging.getLogger(__name__)
 
@@ -94,24 +99,6 @@ class Lane:
             raise RuntimeError(f"lane {self.name} is used by two threads")
         self.seq += 1
         return self.seq
-
-
-class _Safe(pickle.Unpickler):
-    """Unpickles the manager's own messages only: tierckpt's classes and builtin containers, nothing else."""
-
-    _BUILTINS = frozenset({"set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool",
-                           "complex", "slice", "range"})
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "tierckpt" or module.startswith("tierckpt.") or (module == "builtins" and name in self._BUILTINS):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a coordination message names {module}.{name}, which tierckpt never sends")
-
-
-def _loads(raw: bytes) -> Any:
-    import io
-
-    return _Safe(io.BytesIO(raw)).load()
 
 
 def _connection(store: Any) -> Any:
@@ -189,15 +176,24 @@ class Coordinator:
         seq = lane.next()
         base = f"{self._prefix}{lane.name}/{seq}/"
         mine, out = f"{base}in/{self._rank}", f"{base}out/{self._rank}"
-        lane.store.set(mine, pickle.dumps(obj))
+        try:
+            payload = _CODEC.encode(obj)
+        except TypeError as exc:  # a bug; still hand something in, so that no rank waits for this one
+            payload = _CODEC.encode(_Failed(message=f"rank {self._rank}: {exc}"))
+        lane.store.set(mine, payload)
         if self._rank == 0:
             self._answer(lane.store, base, answer, what, step)
         if not _wait(lane.store, [out], 2 * self.timeout_s):
             raise AgreementError(f"rank 0 did not answer ({what}) within {2 * self.timeout_s:.0f} s; it may have died",
                                  ranks=[0], step=step)
-        reply = _loads(lane.store.get(out))
+        raw = lane.store.get(out)
         for key in (mine, out):
             lane.store.delete_key(key)
+        try:
+            reply = _CODEC.decode(raw)
+        except MessageError as exc:
+            raise CheckpointError(f"ranks could not agree ({what}): rank 0's answer is malformed: {exc}",
+                                  step=step) from None
         if isinstance(reply, _Failed):
             raise reply.error(what, step)
         return reply
@@ -206,19 +202,26 @@ class Coordinator:
                 step: int | None) -> None:
         keys = [f"{base}in/{r}" for r in range(self._world)]
         there = set(_wait(store, keys, self.timeout_s))
-        replies: list[Any]
         if len(there) < len(keys):
             missing = [r for r, k in enumerate(keys) if k not in there]
             log.error("rank(s) %s did not reach the agreement (%s) within %.0f s", missing, what, self.timeout_s)
-            replies = [_Failed(missing=missing)] * self._world
+            payloads = [_CODEC.encode(_Failed(missing=missing))] * self._world
         else:
             try:
-                replies = answer([_loads(raw) for raw in _get_many(store, keys)])
+                inputs = []
+                for r, raw in enumerate(_get_many(store, keys)):
+                    try:
+                        inputs.append(_CODEC.decode(raw))
+                    except MessageError as exc:
+                        raise MessageError(f"rank {r}'s input: {exc}") from None
+                failed = next((i for i in inputs if isinstance(i, _Failed)), None)
+                replies = [failed] * self._world if failed is not None else answer(inputs)
                 if len(replies) != self._world:
                     raise RuntimeError(f"{len(replies)} answers for {self._world} ranks")
+                payloads = [_CODEC.encode(r) for r in replies]
             except Exception as exc:
-                replies = [_Failed(message=f"{type(exc).__name__}: {exc}")] * self._world
-        _set_many(store, [f"{base}out/{r}" for r in range(self._world)], [pickle.dumps(r) for r in replies])
+                payloads = [_CODEC.encode(_Failed(message=f"rank 0 failed: {type(exc).__name__}: {exc}"))] * self._world
+        _set_many(store, [f"{base}out/{r}" for r in range(self._world)], payloads)
 
     def reduce(self, obj: Any, lane: Lane, combine: Callable[[list[Any]], Any], *, what: str,
                step: int | None = None) -> Any:
@@ -245,19 +248,24 @@ class Coordinator:
         """Nothing to release: the manager holds no process group (kept for callers that close a coordinator)."""
 
 
+@dataclass(frozen=True)
 class _Failed:
-    """Rank 0's answer when an agreement failed: the ranks that never arrived, or the error its answer raised."""
+    """Rank 0's answer when an agreement failed: the ranks that never arrived, or the error its answer raised (also
+    what a rank hands in when its input cannot be sent, so that rank 0 fails the agreement for everyone)."""
 
-    def __init__(self, missing: list[int] | None = None, message: str = "") -> None:
-        self.missing = missing or []
-        self.message = message
+    missing: list[int] = field(default_factory=list)
+    message: str = ""
 
     def error(self, what: str, step: int | None) -> CheckpointError:
         if self.missing:
             names = ", ".join(f"rank {r}" for r in self.missing)
             return AgreementError(f"ranks could not agree ({what}); {names} never reached it (died or hung)",
                                   ranks=self.missing, step=step)
-        return CheckpointError(f"ranks could not agree ({what}): rank 0 failed: {self.message}", step=step)
+        return CheckpointError(f"ranks could not agree ({what}): {self.message}", step=step)
+
+
+#: What agreements carry: JSON with a fixed set of types (:mod:`._messages`), never pickle.
+_CODEC = Codec((StepManifest, RankRef, TierListings, _Failed))
 
 
 def _nodes(everyone: list[tuple[str, str]]) -> list[tuple[list[int], str]]:

@@ -40,7 +40,7 @@ STORAGE_LEAVES = FORMAT_LEAVES | {"tierckpt.faults", "tierckpt._memory", "tierck
 #: The engine: what drives tiers, never driven by them.
 ENGINE = ("tierckpt.manager", "tierckpt._engine", "tierckpt._restore", "tierckpt._load", "tierckpt._sharded",
           "tierckpt.replication",
-          "tierckpt.distributed")
+          "tierckpt.distributed", "tierckpt._messages")
 #: Packages that never load torch, nor does anything they import.
 TORCH_FREE = ("tierckpt.format", "tierckpt.storage", "tierckpt.tiers", "tierckpt.cli")
 #: CLI commands that work on tensors (``export`` casts and writes them): the parser imports them only when that
@@ -281,6 +281,27 @@ def test_torch_free_layers_never_reach_torch() -> None:
                     via = reached_by[via.module]
                 offenders.append(str(i) + "".join(f"\n    reached through {c}" for c in chain))
     _fail(f"torch imported by {', '.join(TORCH_FREE)} or what they import", offenders)
+
+
+#: Modules that rebuild objects by running what the bytes name: nothing tierckpt reads (a checkpoint, a message from
+#: another rank) ever goes through them.
+UNPICKLERS = frozenset({"pickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"})
+
+
+def _torch_loads(tree: ast.AST) -> list[int]:
+    """Lines that call ``torch.load``."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "load" and isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"]
+
+
+def test_nothing_is_unpickled() -> None:
+    """No module imports an unpickler or calls ``torch.load``: checkpoints are safetensors and JSON, and the ranks'
+    agreements are JSON of a fixed set of types (:mod:`tierckpt._messages`)."""
+    assert _torch_loads(ast.parse("x = torch.load(f)\ny = json.load(f)")) == [1]
+    offenders = [str(i) for m in MODULES for i in GRAPH[m] if i.target in UNPICKLERS]
+    offenders += [f"{m} ({MODULES[m].relative_to(REPO_ROOT)}:{line}): calls torch.load" for m in MODULES
+                  for line in _torch_loads(ast.parse(MODULES[m].read_text()))]
+    _fail("tierckpt unpickles", offenders)
 
 
 def _private_reaches(tree: ast.AST) -> list[tuple[int, str]]:
