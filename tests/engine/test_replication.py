@@ -127,6 +127,43 @@ def test_replicator_resumes_newest_first_and_trims_the_local_tier(tmp_path: Path
     rep.close(5)
 
 
+def test_local_retention_never_deletes_the_step_chosen_for_upload(tmp_path: Path) -> None:
+    """The upload thread has chosen step 1 and not yet started on it when step 2 commits and local retention runs
+    (keep_local=1, no backlog allowed): retention waits for the choice and then skips step 1, whose upload
+    succeeds; step 1 leaves the local tier once the remote holds it. Before, retention could delete step 1 in
+    that window and its upload failed reading a step that was gone."""
+    local, remote = _stores(tmp_path, [1])
+    fake = _Remote(remote, local)
+    deciding, go = threading.Event(), threading.Event()
+
+    class PausingPolicy(ReplicationPolicy):
+        def plan_uploads(self, due, **kw):  # type: ignore[no-untyped-def]
+            plan = super().plan_uploads(due, **kw)
+            if plan.next == 1 and not deciding.is_set():
+                deciding.set()
+                go.wait(10)
+            return plan
+
+    rep = Replicator(local, remote, policy=PausingPolicy(keep_local=1, max_backlog=0), upload=fake.upload,
+                     resume=[], on_done=lambda h: None)
+    rep.start()
+    first = rep.submit(1)
+    assert deciding.wait(10)
+    write_step(local, build_step(2))
+    retention = threading.Thread(target=rep.apply_local_retention)  # as the persist thread runs it on a commit
+    retention.start()
+    retention.join(0.5)
+    assert 1 in list_root(local).steps  # not deleted while the upload thread was choosing it
+    go.set()
+    retention.join(10)
+    first.result(timeout=20)
+    rep.submit(2).result(timeout=20)
+    assert rep.take_errors() == [] and fake.order == [1, 2]
+    assert {1, 2} <= set(list_root(remote).steps)
+    _wait_for(lambda: sorted(list_root(local).steps) == [2])
+    rep.close(5)
+
+
 def test_replicator_backs_off_on_failures_and_catches_up(tmp_path: Path) -> None:
     local, remote = _stores(tmp_path, [1])
     fake = _Remote(remote, local)

@@ -257,8 +257,9 @@ class Replicator:
                 with self._cond:
                     replicated = set(self._replicated)
                     remote = set(self._remote_steps or ())
+                    current = self._current
                 for step, why in self.policy.local_deletions(local, replicated=replicated, remote=remote):
-                    if why != REPLICATED and (self._channel is not None or step == self._current):
+                    if why != REPLICATED and (self._channel is not None or step == current):
                         continue  # multi-rank: unreplicated steps go only when the leader's decision says so
                     self._log_deletion(step, why)
                     delete_step(self.local, step)
@@ -307,11 +308,16 @@ class Replicator:
         """One decision of the leader (or of a single-process job's replicator), carried out."""
         step, dropped, deletes = self._decide(due)
         seq = None
-        if self._channel is not None:
-            seq = self._publish({"step": step, "drop": [[s, why] for s, _w, why in dropped], "delete": deletes})
-        for s, waiters, why in dropped:
-            self._resolve(s, waiters, skipped=why)
-        self._delete_local(deletes)
+        try:
+            if self._channel is not None:
+                seq = self._publish({"step": step, "drop": [[s, why] for s, _w, why in dropped], "delete": deletes})
+            for s, waiters, why in dropped:
+                self._resolve(s, waiters, skipped=why)
+            self._delete_local(deletes)
+        except BaseException:
+            with self._cond:
+                self._current = None  # the step stays waiting or due; retention may consider it again
+            raise
         if step is not None:
             self._attempt(step, seq)
 
@@ -460,23 +466,28 @@ class Replicator:
 
     def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]], list[list[Any]]]:
         """The step to upload now among ``due``, the steps dropped (with their waiters and why), and (multi-rank:
-        the leader decides for every node) the unreplicated local steps to delete."""
-        local = self._local_steps() or set(due)
-        with self._cond:
-            remote = set(self._remote_steps or ())
-            replicated = set(self._replicated)
-        plan = self.policy.plan_uploads(due, remote=remote, local=local)
-        deletes: list[list[Any]] = []
-        if self._channel is not None:
-            deletes = [[s, why] for s, why in self.policy.local_deletions(local, replicated=replicated, remote=remote)
-                       if why != REPLICATED and s != plan.next]
-        with self._cond:
-            dropped = []
-            for s, why in plan.dropped:
-                self._retry_at.pop(s, None)
-                dropped.append((s, self._waiting.pop(s, []), why))
-            if plan.next is not None:
-                self._retry_at.pop(plan.next, None)
+        the leader decides for every node) the unreplicated local steps to delete. The step chosen becomes the
+        one being uploaded before local retention can run again: retention skips it, so the upload never reads a
+        step deleted under it."""
+        with self._retention_lock:
+            local = self._local_steps() or set(due)
+            with self._cond:
+                remote = set(self._remote_steps or ())
+                replicated = set(self._replicated)
+            plan = self.policy.plan_uploads(due, remote=remote, local=local)
+            deletes: list[list[Any]] = []
+            if self._channel is not None:
+                deletes = [[s, why] for s, why in self.policy.local_deletions(local, replicated=replicated,
+                                                                               remote=remote)
+                           if why != REPLICATED and s != plan.next]
+            with self._cond:
+                dropped = []
+                for s, why in plan.dropped:
+                    self._retry_at.pop(s, None)
+                    dropped.append((s, self._waiting.pop(s, []), why))
+                if plan.next is not None:
+                    self._retry_at.pop(plan.next, None)
+                    self._current = plan.next
         return plan.next, dropped, deletes
 
     def _attempt(self, step: int, seq: int | None = None) -> None:
