@@ -11,6 +11,10 @@ Invariants:
   copies the small ones in from the verified buffer, and ``apply`` hands both on as the live tensors themselves.
 - a dict of plain tensors is checked in one batch (:mod:`.loadbatch`) only where the walk below would accept every
   item and plan the same; everything else, every mismatch included, takes the walk, which names the key path.
+- a live tensor whose elements share memory (an ``expand()``ed view: :func:`.loadbatch.overlaps_itself`) cannot
+  take the saved values in place: in a plain dict or list of the state a fresh tensor holding them takes its place
+  (as a read-only numpy array or a Python value is replaced), and in a module's ``state_dict()``, which only
+  ``load_state_dict`` could change and cannot, the plan raises :class:`StateMismatchError` naming it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .decode import Decoder
 from .decode import decode_tree as decode_tree  # imported from here too
 from .dtensor import is_dtensor, target_box
 from .dtypes import CODE_TO_TORCH, NUMPY_TO_CODE, TORCH_TO_CODE
-from .loadbatch import detached, direct_flags, plain_tensor_items
+from .loadbatch import detached, direct_flags, overlaps_itself, plain_tensor_items
 from .loaded import LoadedBuffer, TensorSource
 from .modules import LOADING, SAVING, plain_tree
 from .tree import MAX_DEPTH, is_stateful
@@ -244,12 +248,15 @@ class _Checker:
             if not isinstance(cur, torch.Tensor):
                 raise _mismatch(f"checkpoint holds a tensor but the state has {type(cur).__name__}", path, self.step)
             self.check_tensor(cur, rec, path)
+            if overlaps_itself(cur):  # nothing can be copied into it: a tensor of the saved values replaces it
+                self.plan.actions.append(_tensor_replacer(parent, key, rec.index, cur))
             # a tensor that is its record's direct target holds its bytes once read; another (tied) needs a copy
-            if not self.add_direct(cur, rec, checked=True) and not _same_view(self.plan.direct.get(rec.index), cur):
+            elif not self.add_direct(cur, rec, checked=True) and not _same_view(self.plan.direct.get(rec.index), cur):
                 self.plan.copies.append((cur, rec.index))
         elif isinstance(cur, torch.Tensor):
             raise _mismatch("state holds a tensor but the checkpoint does not", path, self.step)
-        elif _is_tag(node, "$ndarray") and isinstance(cur, np.ndarray) and cur.flags.writeable:
+        elif (_is_tag(node, "$ndarray") and isinstance(cur, np.ndarray) and cur.flags.writeable
+              and not any(st == 0 and n > 1 for n, st in zip(cur.shape, cur.strides))):
             rec = self.record(node, "$ndarray", "numpy", path)
             if tuple(cur.shape) != rec.shape or NUMPY_TO_CODE.get(cur.dtype) != rec.dtype:
                 raise _mismatch(
@@ -326,6 +333,11 @@ class _Checker:
                 self.check_dtensor(live[k], rec, f"{path}[{k!r}]")
             elif k in live and isinstance(live[k], torch.Tensor) and rec is not None:
                 self.check_tensor(live[k], rec, f"{path}[{k!r}]")
+                if overlaps_itself(live[k]):
+                    raise _mismatch(
+                        f"the module's tensor (stride {list(live[k].stride())}) is an expand()ed view whose elements "
+                        "share memory, which load_state_dict cannot copy into: register a tensor of its own memory "
+                        "there (.clone())", f"{path}[{k!r}]", self.step)
                 self.add_direct(live[k], rec, checked=True)
 
     def module_entries(self, node: Any, path: str) -> dict[str, TensorRecord | dict | None]:
@@ -436,6 +448,24 @@ def _gen_setter(gen: torch.Generator, i: int) -> Callable[[Decoder], Callable[[]
     def prepare(dec: Decoder) -> Callable[[], None]:
         st = dec.tensor(i).clone()
         return lambda: gen.set_state(st)
+
+    return prepare
+
+
+def _tensor_replacer(parent: Any, key: Any, i: int, live: torch.Tensor) -> Callable[[Decoder], Callable[[], None]]:
+    """Put a fresh tensor holding record ``i``'s values at ``parent[key]``, in place of ``live``, whose elements share
+    memory: on ``live``'s device, a ``Parameter`` again if ``live`` is one, requiring grad where ``live`` does."""
+    def prepare(dec: Decoder) -> Callable[[], None]:
+        value = dec.tensor(i).to(device=live.device, copy=True)
+        if isinstance(live, torch.nn.Parameter):
+            value = torch.nn.Parameter(value, requires_grad=live.requires_grad)
+        elif live.requires_grad:
+            value.requires_grad_(True)
+
+        def commit() -> None:
+            parent[key] = value
+
+        return commit
 
     return prepare
 

@@ -3,10 +3,10 @@ or an optimizer's tensors under str/int keys), the counterpart of the flatten's 
 
 Invariant: a batch accepts a saved dict node only when the item-by-item walk of :mod:`.load` would accept every
 item and do for each exactly what the batch does (record it as a direct target or as a copy); at the first doubt
-(a malformed or unusual node, a key that is missing or unexpected, a type, dtype or shape that differs) it returns
-None having changed nothing, and the item-by-item walk then decides, and names any problem with its key path. The
-checks read each attribute through ``map`` over the whole dict (no Python statement per tensor for them): at 10,000
-tensors the item-by-item walk cost about 40 ms of a warm restore.
+(a malformed or unusual node, a key that is missing or unexpected, a type, dtype or shape that differs, a live
+tensor whose elements share memory) it returns None having changed nothing, and the item-by-item walk then decides,
+and names any problem with its key path. The checks read each attribute through ``map`` over the whole dict (no
+Python statement per tensor for them): at 10,000 tensors the item-by-item walk cost about 40 ms of a warm restore.
 """
 
 from __future__ import annotations
@@ -66,7 +66,33 @@ def plain_tensor_items(cur: Any, pairs: list[Any], records: tuple[TensorRecord, 
         return None
     if list(map(tuple, map(_SHAPE, live))) != list(map(_SHAPE_T, recs)):
         return None
+    if not all(map(torch.Tensor.is_contiguous, live)) and any(map(overlaps_itself, live)):
+        return None  # nothing can be copied into it: the walk decides what to do, and names it
     return live, recs
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are the same memory (an ``expand()``ed or broadcast view: a stride of 0; or an
+    ``as_strided`` view whose strides overlap). A copy into such a tensor is ill-defined (torch refuses the stride-0
+    case), so a restore never loads into one in place.
+
+    Cost: a contiguous tensor is answered by its flag; a strided one by its strides, except where the dimensions'
+    strides interleave, which is settled by listing every element's offset (memory of 8 bytes an element, for
+    views that only ``as_strided`` makes)."""
+    if t.is_contiguous():
+        return False
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 0  # the largest offset the dimensions of smaller strides reach
+    for st, sz in dims:
+        if st == 0:
+            return True
+        if st <= reach:  # the strides interleave: count the distinct offsets
+            offsets = torch.zeros((), dtype=torch.int64)
+            for stride, size in dims:
+                offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+            return bool(offsets.unique().numel() < offsets.numel())
+        reach += st * (sz - 1)
+    return False
 
 
 def direct_flags(live: list[torch.Tensor], recs: list[TensorRecord]) -> list[bool]:
@@ -87,4 +113,4 @@ def detached(live: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach() if g else t for t, g in zip(live, grads)]
 
 
-__all__ = ["BATCH_MIN", "detached", "direct_flags", "plain_tensor_items"]
+__all__ = ["BATCH_MIN", "detached", "direct_flags", "overlaps_itself", "plain_tensor_items"]
