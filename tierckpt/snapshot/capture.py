@@ -20,7 +20,7 @@ Cost: what stays on the caller's thread is a walk over the containers (dicts of 
 speed) and the non-module ``state_dict()`` calls, not the flatten's reads of every tensor's dtype, shape, layout
 and address, which on a state just pushed out of the caches by a training step cost a few microseconds a tensor.
 A value that cannot be checkpointed by its type raises ``TypeError`` naming its key path here, as an eager save's
-flatten would; what only the flatten sees (a quantized, sparse or meta tensor) is reported by the next call.
+flatten would; what only the flatten sees (a nested, sparse, quantized or meta tensor) is reported by the next call.
 """
 
 from __future__ import annotations

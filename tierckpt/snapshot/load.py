@@ -384,11 +384,31 @@ class _Checker:
         self.plan.dtensor_targets[key] = (cur, code, tuple(gshape))
 
     def check_tensor(self, cur: torch.Tensor, rec: TensorRecord, path: str) -> None:
+        kind = _unloadable(cur)
+        if kind is not None:
+            hint = "; it holds no memory: materialise it first (module.to_empty(device=...))" if cur.is_meta else ""
+            raise _mismatch(f"cannot load the checkpoint's {CODE_TO_TORCH.get(rec.dtype)}{list(rec.shape)} into the "
+                            f"state's {kind}{hint}", path, self.step)
         if tuple(cur.shape) != rec.shape:
             raise _mismatch(f"shape mismatch: checkpoint {list(rec.shape)}, state {list(cur.shape)}", path, self.step)
         if TORCH_TO_CODE.get(cur.dtype) != rec.dtype:
             raise _mismatch(f"dtype mismatch: checkpoint {CODE_TO_TORCH.get(rec.dtype)}, state {cur.dtype}",
                             path, self.step)
+
+
+def _unloadable(t: torch.Tensor) -> str | None:
+    """What ``t`` is when no saved tensor can be loaded into it (a nested or sparse tensor, whose memory is not one
+    dense block; a quantized one, whose dtype none is saved as; a meta tensor, which has no memory: a copy into it
+    does nothing), else None."""
+    if t.is_nested:
+        return f"nested tensor ({t.layout})"
+    if t.layout is not torch.strided:
+        return f"sparse tensor ({t.layout})"
+    if t.is_quantized:
+        return f"quantized tensor ({t.dtype})"
+    if t.is_meta:
+        return "meta tensor"
+    return None
 
 
 def _contains_tag(node: Any, tag: str, depth: int = 0) -> bool:

@@ -4,9 +4,10 @@ or an optimizer's tensors under str/int keys), the counterpart of the flatten's 
 Invariant: a batch accepts a saved dict node only when the item-by-item walk of :mod:`.load` would accept every
 item and do for each exactly what the batch does (record it as a direct target or as a copy); at the first doubt
 (a malformed or unusual node, a key that is missing or unexpected, a type, dtype or shape that differs, a live
-tensor whose elements share memory) it returns None having changed nothing, and the item-by-item walk then decides,
-and names any problem with its key path. The checks read each attribute through ``map`` over the whole dict (no
-Python statement per tensor for them): at 10,000 tensors the item-by-item walk cost about 40 ms of a warm restore.
+tensor that is sparse, nested or meta or whose elements share memory) it returns None having changed nothing, and
+the item-by-item walk then decides, and names any problem with its key path. The checks read each attribute
+through ``map`` over the whole dict (no Python statement per tensor for them): at 10,000 tensors the item-by-item
+walk cost about 40 ms of a warm restore.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _KIND, _DTYPE_CODE, _SHAPE_T = attrgetter("kind"), attrgetter("dtype"), attrgett
 _NBYTES, _SHARD = attrgetter("nbytes"), attrgetter("shard")
 _DTYPE, _SHAPE, _IS_CPU = attrgetter("dtype"), attrgetter("shape"), attrgetter("is_cpu")
 _REQUIRES_GRAD = attrgetter("requires_grad")
+_LAYOUT, _DEVICE = attrgetter("layout"), attrgetter("device")
+_STRIDED = frozenset({torch.strided})
 
 
 def plain_tensor_items(cur: Any, pairs: list[Any], records: tuple[TensorRecord, ...], *,
@@ -64,7 +67,14 @@ def plain_tensor_items(cur: Any, pairs: list[Any], records: tuple[TensorRecord, 
         return None
     if list(map(TORCH_TO_CODE.get, map(_DTYPE, live))) != list(map(_DTYPE_CODE, recs)):
         return None
-    if list(map(tuple, map(_SHAPE, live))) != list(map(_SHAPE_T, recs)):
+    if not set(map(_LAYOUT, live)) <= _STRIDED:  # sparse: nothing to load into (the walk names it)
+        return None
+    if not all(map(_IS_CPU, live)) and any(d.type == "meta" for d in set(map(_DEVICE, live))):
+        return None  # a meta tensor holds no memory to load into
+    try:
+        if list(map(tuple, map(_SHAPE, live))) != list(map(_SHAPE_T, recs)):
+            return None
+    except RuntimeError:  # a nested tensor of the strided layout has no sizes
         return None
     if not all(map(torch.Tensor.is_contiguous, live)) and any(map(overlaps_itself, live)):
         return None  # nothing can be copied into it: the walk decides what to do, and names it

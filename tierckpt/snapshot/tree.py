@@ -10,7 +10,8 @@ is a tag: ``$float`` (``float.hex()``, exact incl. inf/nan/-0.0), ``$bytes`` (ba
 Invariants:
 - flattening reads the state and never mutates it, and never touches an RNG;
 - the same tensor memory reached through several keys (tied parameters) is stored once and referenced twice;
-- anything that cannot be stored raises ``TypeError`` naming its key path, before any buffer is touched.
+- anything that cannot be stored (a value of another type; a nested, sparse, quantized or meta tensor; a
+  tensor subclass) raises ``TypeError`` naming its key path and what it is, before any buffer is touched.
 
 Cost: a save of a state with thousands of tensors waits for this module, so the common shapes of a state (dicts of
 plain tensors under str/int keys, and dicts of those, such as an optimizer's per-parameter state) are encoded a
@@ -179,9 +180,20 @@ def is_stateful(obj: Any) -> bool:
 
 
 def _refuse_tensor(t: torch.Tensor, path: str) -> None:
-    """Raise the TypeError that says why ``t`` cannot be stored (the checks in the order they are documented)."""
-    if t.layout is not torch.strided or t.is_quantized or t.is_meta:
-        raise TypeError(f"cannot checkpoint {t.layout} / quantized / meta tensor at {path}")
+    """Raise the TypeError that says why ``t`` cannot be stored, and what to store instead (the checks in the
+    order they are documented: nested, sparse, quantized, meta, a subclass, a dtype safetensors lacks)."""
+    if t.is_nested:  # strided nested tensors have no sizes; jagged ones are a subclass with a symbolic size
+        raise TypeError(f"cannot checkpoint a nested tensor ({t.layout}) at {path}: store its components "
+                        "(t.unbind()) or a padded tensor (t.to_padded_tensor(0.0)) instead")
+    if t.layout is not torch.strided:
+        raise TypeError(f"cannot checkpoint a sparse tensor ({t.layout}) at {path}: store t.to_dense(), or its "
+                        "indices and values, instead")
+    if t.is_quantized:
+        raise TypeError(f"cannot checkpoint a quantized tensor ({t.dtype}) at {path}: store t.dequantize(), or "
+                        "t.int_repr() with its scale and zero point, instead")
+    if t.is_meta:
+        raise TypeError(f"cannot checkpoint a meta tensor at {path}: it holds no data (materialise the module "
+                        "first, e.g. to_empty() and its initialisation)")
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise TypeError(f"cannot checkpoint tensor subclass {type(t).__name__} at {path}")
     raise TypeError(f"cannot checkpoint tensor of dtype {t.dtype} at {path}")
@@ -252,7 +264,7 @@ class _Flattener:
     def add_tensor(self, t: torch.Tensor, path: str, prefix: str | None, shard: dict[str, Any] | None = None) -> int:
         code = TORCH_TO_CODE.get(t.dtype)  # quantized dtypes have no code
         is_cpu = t.is_cpu
-        if code is None or t.layout is not torch.strided or (not is_cpu and t.is_meta) or (
+        if code is None or t.layout is not torch.strided or t.is_nested or (not is_cpu and t.is_meta) or (
                 type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)):
             _refuse_tensor(t, path)
         numel = t.numel()
@@ -353,7 +365,10 @@ class _Flattener:
         all_cpu = all(map(_IS_CPU, vals))
         if not all_cpu and any(d.type == "meta" for d in set(map(_DEVICE, vals))):
             return None
-        sizes = list(map(_SHAPE, vals))
+        try:
+            sizes = list(map(_SHAPE, vals))
+        except RuntimeError:  # a nested tensor of the strided layout has no sizes: the per-item path names it
+            return None
         if codes is memo.codes and sizes == memo.shapes:
             shapes, nbytes = memo.shapes, memo.nbytes
         else:
