@@ -11,6 +11,7 @@ from typing import Any
 
 from .format import layout
 from .handle import SaveHandle, SaveRecord
+from .storage.files import append_line
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ def record_hooks(on_record: Any) -> tuple[Hook, ...]:
 class SaveLog:
     """Each resolved save's :class:`SaveRecord`, in order: kept, handed to every hook (a hook that raises is
     logged, never allowed to cost a checkpoint) and, with ``log_to`` (the local folder), appended as one JSON line
-    to its ``saves.jsonl``. Written from the persist and upload threads; read from any."""
+    to its ``saves.jsonl`` (never through a symbolic link or into anything but a regular file planted at that name:
+    such a line is dropped with a warning naming the path). Written from the persist and upload threads; read from
+    any."""
 
     def __init__(self, hooks: tuple[Hook, ...], *, log_to: str | None) -> None:
         self._hooks = hooks
@@ -59,9 +62,8 @@ class SaveLog:
         if self._path is None:
             return
         try:
-            with open(self._path, "a") as f:
-                f.write(rec.to_json() + "\n")
-        except OSError as exc:
+            append_line(self._path, rec.to_json() + "\n", tier="local")
+        except OSError as exc:  # a StorageAccessError too: a link or special file planted there is never followed
             log.warning("tier local: cannot append to %s: %s", layout.RECORDS_FILE, exc)
 
 

@@ -2,7 +2,8 @@
 
 Durability: every file is ``fsync``-ed before its ``close()`` returns, and folders are ``fsync``-ed after entries
 are added or renamed (:meth:`LocalStore.sync_dir`). Space is reserved with ``posix_fallocate`` when the size is
-known, so a full disk fails at the start of a file rather than in the middle.
+known, so a full disk fails at the start of a file rather than in the middle. A file is never written through a
+symbolic link at its name (``O_NOFOLLOW``: a :class:`~tierckpt.errors.StorageAccessError` naming the path instead).
 
 Direct I/O (``direct_io=True``, the local tier's default): large files are written with ``O_DIRECT`` where the file
 system accepts it, so checkpoint bytes go from the staging buffer to the disk without a copy through the page cache
@@ -44,6 +45,7 @@ from .._memory import anonymous_buffer, buffer_address
 from ..errors import CheckpointError, StorageError
 from ..format import layout
 from .base import Store, WriteStream, join
+from .files import refused
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +188,19 @@ def write_all(fd: int, data: memoryview) -> None:
 
 
 class _LocalWriteStream(WriteStream):
-    def __init__(self, path: str, size_hint: int | None, *, direct: bool = False) -> None:
+    def __init__(self, path: str, size_hint: int | None, *, direct: bool = False, tier: str | None = None) -> None:
         self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        if direct and size_hint is not None and size_hint >= DIRECT_MIN_BYTES:
-            self.fd, self.direct = open_direct(path, flags)
-        else:
-            self.fd, self.direct = os.open(path, flags, 0o644), False
+        # a link planted at the name is never followed (the names are the manager's own, in its own folders)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            if direct and size_hint is not None and size_hint >= DIRECT_MIN_BYTES:
+                self.fd, self.direct = open_direct(path, flags)
+            else:
+                self.fd, self.direct = os.open(path, flags, 0o644), False
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+                raise refused(path, "the name is a symbolic link", tier=tier) from None
+            raise
         if size_hint and hasattr(os, "posix_fallocate"):
             try:
                 os.posix_fallocate(self.fd, 0, size_hint)
@@ -362,7 +370,7 @@ class LocalStore(Store):
         os.makedirs(self.path(rel), exist_ok=True)
 
     def open_write(self, rel: str, *, size_hint: int | None = None) -> WriteStream:
-        return _LocalWriteStream(self.path(rel), size_hint, direct=self.direct_io)
+        return _LocalWriteStream(self.path(rel), size_hint, direct=self.direct_io, tier=self.tier)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.open_write(rel, size_hint=len(data)) as w:
