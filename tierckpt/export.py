@@ -20,9 +20,12 @@ verified) into it, the shards having to tile it exactly. Memory: one copy of the
 shards of them while a multi-rank step is assembled, plus one cast tensor at a time while writing.
 
 Files are written under temporary names, fsynced and renamed into place, the index last; nothing is written before
-every tensor has been read and verified. An output folder already holding an export (``model.safetensors``, an index
-or ``model-*-of-*.safetensors``) is refused unless ``overwrite``, which replaces it (stale shards of the earlier
-export are removed, so ``from_pretrained`` cannot pick up a mix).
+every tensor has been read and verified. Each temporary is created exclusively under a fresh random name
+(``.<file>.<random>.tmp``, ``O_EXCL | O_NOFOLLOW``), so a link or file planted in the output folder is never
+written through; only the rename gives a file its final name (a link there is replaced, not followed). Modes are
+0644 less the umask (0600 under ``umask 077``). An output folder already holding an export (``model.safetensors``,
+an index or ``model-*-of-*.safetensors``) is refused unless ``overwrite``, which replaces it (stale shards of the
+earlier export are removed, so ``from_pretrained`` cannot pick up a mix).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from .snapshot.decode import decode_tree
 from .snapshot.dtypes import CODE_TO_TORCH, TORCH_TO_CODE
 from .snapshot.loaded import byte_view
 from .storage.base import Store
+from .storage.files import write_all, write_replace
 from .storage.open import is_url, open_store
 from .tiers.listing import first_intact, list_tiers
 from .tiers.reader import read_ranks, read_step
@@ -403,39 +407,27 @@ def _write(out: str, weights: dict[str, torch.Tensor], *, step: int, source: str
 def _write_file(path: str, tensors: list[tuple[str, torch.Tensor]], meta: dict[str, str],
                 cast: torch.dtype | None) -> None:
     """One safetensors file: the format's header (:func:`tierckpt.format.safetensors.build_header`), then each
-    tensor's bytes in order, written straight from its memory (cast one tensor at a time)."""
+    tensor's bytes in order, written straight from its memory (cast one tensor at a time), into a temporary renamed
+    over ``path`` (:func:`tierckpt.storage.files.write_replace`)."""
     entries = []
     for name, t in tensors:
         dt = cast if cast is not None and t.is_floating_point() else t.dtype
         entries.append((name, TORCH_TO_CODE[dt], tuple(t.shape), t.numel() * dt.itemsize))
     header = build_header(entries, meta)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for _, t in tensors:
-                c = _cast(t, cast)
-                if c.numel():
-                    f.write(byte_view(c))
-                del c
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    def write(fd: int) -> None:
+        write_all(fd, header)
+        for _, t in tensors:
+            c = _cast(t, cast)
+            if c.numel():
+                write_all(fd, byte_view(c))
+            del c
+
+    write_replace(path, write)
 
 
 def _write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_replace(path, lambda fd: write_all(fd, data))
 
 
 def _fsync_dir(path: str) -> None:
