@@ -293,12 +293,15 @@ def test_posix_remote_sync_pull_prune_in_process(tmp_path, capsys):
     assert cli_main(["pull", str(nfs), str(back)]) == 2
     assert cli_main(["sync", str(tmp_path / "missing"), str(nfs)]) == 2
     assert cli_main(["prune", str(step_path(nfs, 1)), "--keep", "1"]) == 2
-    # prune never deletes the newest step whose manifests verify: damage step 3's manifest, keep 1 -> 2 survives
+    # prune never deletes the newest intact step: damage step 3's manifest, keep 1 -> 2 survives (exit 1: the
+    # corrupt step 3 was found)
+    good_manifest = (nfs / layout.step_dir(3) / "manifest.json").read_bytes()
     (nfs / layout.step_dir(3) / "manifest.json").write_bytes(b"{}")
     capsys.readouterr()
-    assert cli_main(["prune", str(nfs), "--keep", "1", "--json"]) == 0
+    assert cli_main(["prune", str(nfs), "--keep", "1", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["deleted"] == [1] and doc["kept"] == [2, 3]
+    assert doc["deleted"] == [1] and doc["kept"] == [2, 3] and doc["newest_intact"] == 2
+    (nfs / layout.step_dir(3) / "manifest.json").write_bytes(good_manifest)  # repaired: later prunes exit 0
     assert sorted(os.listdir(nfs)) == [layout.step_dir(2), layout.step_dir(3)]
     # leftovers of an unfinished upload go only with --leftovers (listed by the dry run, kept otherwise); this
     # one is seconds old, so only --min-age 0 takes it (a writer on another host may still be uploading it)

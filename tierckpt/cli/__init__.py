@@ -7,7 +7,7 @@ maps what a command raises to its exit code. None of it imports torch but ``expo
 Exit codes (every command):
 
 - 0 (``EXIT_OK``): success, everything checked is intact;
-- 1 (``EXIT_BAD``): corruption found (``verify``, ``pull``) or an operation failed (an upload, a deletion);
+- 1 (``EXIT_BAD``): corruption found (``verify``, ``pull``, ``prune``) or an operation failed (an upload, a deletion);
 - 2 (``EXIT_USAGE``): a usage error, or nothing found (no such folder, step or checkpoint);
 - 3 (``EXIT_UNAVAILABLE``): could not check or act: the storage is unreachable, silent past ``--timeout``,
   denies access, or the root is in use by a live job (a running ``CheckpointManager`` or ``tierckpt pull``).

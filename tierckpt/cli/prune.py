@@ -1,9 +1,15 @@
 """``tierckpt prune``: retention by hand, and the leftovers of unfinished saves and uploads.
 
 ``prune ROOT --keep N [--keep-every K]`` applies a :class:`~tierckpt.retention.KeepPolicy`, deleting each step
-``manifest.json`` first. The newest step is never deleted, nor the newest step whose manifests verify and whose
-files have their recorded sizes (so a damaged newest step cannot cost the last good one). ``--leftovers`` also runs
-the commit protocol's recovery on ROOT (unfinished uploads and saves, files no manifest names).
+``manifest.json`` first. The newest step is never deleted, nor the newest *intact* step: before deleting anything,
+the steps are verified newest first (every byte of every file against the manifests' checksums, the stream of
+:func:`~tierckpt.tiers.verify.verify_step`) until one is intact, and that step is kept even where the policy would
+drop it, so a newest step that rotted cannot cost the last good one. Usually that reads the newest step in full
+(and each corrupt step newer than the intact one); no intact step at all deletes no step. A corrupt step found is
+reported and makes the exit code 1, after the safe deletions. ``--no-verify`` reads no data: the step kept is the
+newest whose manifests verify and whose files have their recorded sizes. ``--dry-run`` verifies the same way and
+prints the plan. ``--leftovers`` also runs the commit protocol's recovery on ROOT (unfinished uploads and saves,
+files no manifest names).
 
 Next to a live job: a local root whose lock a live manager (or ``tierckpt pull``) holds is refused (exit 3),
 whatever the options, ``--dry-run`` included; on a remote root (a URL, or a folder without lock files), which
@@ -22,7 +28,7 @@ import sys
 import time
 from typing import Any, cast
 
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..format import layout
 from ..storage import folder_lock
 from ..storage.base import Store, join
@@ -35,8 +41,10 @@ from ._common import (
     bounded,
     bounded_list_root,
     clean,
+    deadline_for,
     exit_for,
     open_root,
+    progress_bar,
     say,
     seconds,
     url_of,
@@ -64,6 +72,32 @@ def _manifests_ok(args: argparse.Namespace, store: Store, step: int) -> bool:
     except (CheckpointError, OSError):
         return False
     return True
+
+
+def _newest_intact(args: argparse.Namespace, store: Store, steps: list[int]) -> tuple[int | None, list[Any]]:
+    """Verify ``steps`` newest first, every byte against the checksums, until one is intact (printing each
+    report unless ``--json``); returns that step (None if none is) and the reports, newest first. A step deleted
+    while it is read (a writer elsewhere) counts as not intact. Raises
+    :class:`~tierckpt.errors.StorageError` when the store cannot be read: nothing is known about the steps then,
+    and nothing has been deleted."""
+    from ..tiers.verify import verify_step
+    from .readonly import _print_report
+
+    bar = progress_bar(0, sys.stderr.isatty() and not args.json, "verify")
+    reports: list[Any] = []
+    try:
+        for step in reversed(steps):
+            report = verify_step(store, step, threads=args.threads, deadline_s=deadline_for(args, store),
+                                 seen_committed=True, progress=(lambda n: bar.update(n)) if bar else None)
+            reports.append(report)
+            if not args.json:
+                _print_report(report)
+            if report.ok and not report.removed:
+                return step, reports
+    finally:
+        if bar:
+            bar.close()
+    return None, reports
 
 
 def _refuse_if_live(store: Store) -> None:
@@ -199,7 +233,8 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step."""
+    """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step, and the
+    newest intact step (see the module docstring)."""
     from ..retention import KeepPolicy
     from ..tiers.steps import delete_step
 
@@ -207,9 +242,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
         policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    store, only = open_root(args, args.root)
+    for name in ("threads", "read_concurrency"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    store, only = open_root(args, args.root, read_concurrency=args.read_concurrency)
     if only is not None:
         raise UsageError("prune takes a tier root, not a step folder")
+    errors: list[str] = []
+    failures: list[BaseException] = []
+    reports: list[Any] = []
     try:
         _refuse_if_live(store)
         steps = sorted(bounded_list_root(args, store).steps)
@@ -217,15 +258,31 @@ def cmd_prune(args: argparse.Namespace) -> int:
             say(args, f"no committed checkpoints under {store.url}")
             return EXIT_USAGE
         doomed = policy.to_delete(steps)
-        protected = next((s for s in reversed(steps) if _manifests_ok(args, store, s)), None)
+        if args.verify:  # every byte of the steps it keeps, newest first until one is intact, before any deletion
+            protected, reports = _newest_intact(args, store, steps)
+            why = "the newest intact step"
+        else:
+            protected = next((s for s in reversed(steps) if _manifests_ok(args, store, s)), None)
+            why = "the newest step whose manifests verify (--no-verify: its data was not read)"
+        for report in reports:
+            if not report.ok:
+                where = url_of(store, layout.step_dir(report.step))
+                failures.append(CorruptCheckpointError(f"step {report.step} is corrupt", step=report.step,
+                                                       tier=store.tier, path=where, bad_files=report.bad_files))
+                errors.append(clean(args, f"step {report.step}: CORRUPT: {'; '.join(report.errors)}"))
+        if args.verify and protected is None and doomed:
+            msg = clean(args, f"tierckpt prune: no step under {store.url} verifies intact (corrupt: "
+                              f"{[r.step for r in reports if not r.ok]}): deleting no step; `tierckpt verify` names "
+                              "the bad files")
+            errors.append(msg)
+            print(msg, file=sys.stderr)
+            doomed = []
         if protected in doomed:
             doomed.remove(protected)
             if not args.json:
-                print(f"keeping step {protected}: the newest step whose manifests verify")
+                print(f"keeping step {protected}: {why}")
         kept = [s for s in steps if s not in doomed]
         deleted: list[int] = []
-        errors: list[str] = []
-        failures: list[BaseException] = []
         for step in doomed:
             where = url_of(store, layout.step_dir(step))
             if args.dry_run:
@@ -249,7 +306,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.json:
         doc: dict[str, Any] = {"root": store.url, "dry_run": args.dry_run, "ok": not errors, "kept": kept,
                                "deleted": deleted, "errors": errors, "leftovers": leftovers,
-                               "kept_leftovers": young}
+                               "kept_leftovers": young, "newest_intact": protected if args.verify else None,
+                               "verified": [r.to_json() for r in reports]}
         if args.dry_run:
             doc["would_delete"] = doomed
         print(json.dumps(doc))
@@ -261,11 +319,21 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register ``prune`` on the ``tierckpt`` sub-parsers."""
-    sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step)")
+    sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step, nor the "
+                                      "newest intact one)")
     sp.add_argument("root", help="tier root: a path or an fsspec URL")
     sp.add_argument("--keep", type=int, required=True, help="keep the N newest steps")
     sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep every K-th step")
-    sp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="verify as a prune would, print what would be kept and deleted, delete nothing")
+    sp.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="read no data: keep the newest step whose manifests verify and whose files have their "
+                         "sizes, not the newest whose bytes match their checksums (by default the steps are read "
+                         "in full, newest first, until one is intact)")
+    sp.add_argument("--threads", type=int, default=4, help="files verified at once (default 4)")
+    sp.add_argument("--read-concurrency", type=int, default=8, metavar="N",
+                    help="URLs: ranged reads of one file in flight while verifying (default 8; each holds an "
+                         "8 MiB buffer)")
     sp.add_argument("--leftovers", action="store_true",
                     help="also remove leftovers of unfinished saves/uploads (on a remote root: those older "
                          "than --min-age only)")
