@@ -13,6 +13,7 @@ on those flags, never on the store's type:
 - ``read_concurrency``: how many ranged reads of one file a reader keeps in flight (:mod:`.readahead`). 1 reads a
   file chunk after chunk (a local disk, whose kernel reads ahead by itself); an object store, where every read is a
   request with a round trip, says more. :meth:`Store.readinto` must then be safe to call from several threads at once.
+- ``exclusive_create``: :meth:`Store.create_exclusive` is atomic (POSIX hard links, S3 conditional PUTs).
 
 Writing a step (see :mod:`.commit` for the exact order): ``makedirs`` → per data file ``open_write`` / ``write`` /
 ``close`` → ``write_bytes`` of each rank manifest → ``write_bytes`` of ``manifest.json`` → commit protocol.
@@ -78,6 +79,7 @@ class Store(abc.ABC):
     parallel_writes: bool = True
     direct_reads: bool = False
     read_concurrency: int = 1
+    exclusive_create: bool = False
 
     # --- listing and reading -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -182,6 +184,18 @@ class Store(abc.ABC):
         """Write a whole small file so that readers see the old content or the new, never a torn one. Object
         stores' PUTs already are; POSIX stores override this with a temporary name and a rename."""
         self.write_bytes(rel, data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Write a whole small file only if none of that name exists; returns False (writing nothing) if one does.
+
+        Stores with ``exclusive_create`` do it atomically (POSIX: a hard link of a complete temporary file; S3: a
+        conditional PUT, ``If-None-Match: *``): of two concurrent callers exactly one creates the file, and readers
+        never see a torn one. Elsewhere this checks, then writes: two callers racing within one request's time
+        could both succeed (the later write wins)."""
+        if self.exists(rel):
+            return False
+        self.put_atomic(rel, data)
+        return True
 
     @abc.abstractmethod
     def remove(self, rel: str) -> None:

@@ -206,6 +206,7 @@ class FaultyStore(Store):
         self.tier = inner.tier
         self.atomic_rename = inner.atomic_rename
         self.parallel_writes = inner.parallel_writes
+        self.exclusive_create = inner.exclusive_create
         self.local_path = inner.local_path if keep_local_path else None
 
     @property
@@ -251,6 +252,10 @@ class FaultyStore(Store):
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.plan.hit("write_bytes")
         self.inner.write_bytes(rel, bytes(self.plan.clip(data)))
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        self.plan.hit("write_bytes")  # the same request as a write, conditional
+        return self.inner.create_exclusive(rel, bytes(self.plan.clip(data)))
 
     def remove(self, rel: str) -> None:
         self.plan.hit("remove")

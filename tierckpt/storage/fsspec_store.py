@@ -246,6 +246,7 @@ class FsspecStore(Store):
             # refusing a bare bucket-less root keeps remove() and recover() away from a whole file system
             raise CheckpointError("a remote tier needs a folder, not the file system's root", tier=tier, path=self.url)
         self._s3_requests = supports_parallel_parts(fs, scheme)  # single S3 requests: multipart calls, listings
+        self.exclusive_create = self._s3_requests  # a conditional PUT (If-None-Match: *)
         self._part_uploads = (PartUploads(write_concurrency, tier) if self._s3_requests and write_concurrency > 1
                               and self.part_size >= S3_MIN_PART else None)
         self._implicit_folders = scheme in _OBJECT_STORES
@@ -403,6 +404,20 @@ class FsspecStore(Store):
                 self.fs.pipe_file(p, bytes(data))
         finally:
             self._invalidate(p)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        if not self.exclusive_create:
+            return super().create_exclusive(rel, data)
+        p = self._p(rel)
+        try:
+            with self._guard("create", rel):
+                try:
+                    self.fs.pipe_file(p, bytes(data), mode="create")
+                except FileExistsError:  # s3fs's answer to 412 Precondition Failed
+                    return False
+        finally:
+            self._invalidate(p)
+        return True
 
     def remove(self, rel: str) -> None:
         if not join(rel):

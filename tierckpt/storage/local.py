@@ -250,6 +250,7 @@ class LocalStore(Store):
     """A folder on a POSIX file system."""
 
     atomic_rename = True
+    exclusive_create = True
     parallel_writes = True
 
     def __init__(self, root: str | os.PathLike[str], *, tier: str = "local", create: bool = True,
@@ -379,10 +380,24 @@ class LocalStore(Store):
     def put_atomic(self, rel: str, data: bytes) -> None:
         final = self.path(rel)
         tmp = f"{final}.{layout.new_save_id()}.part"
-        with _LocalWriteStream(tmp, len(data)) as w:
+        with _LocalWriteStream(tmp, len(data), tier=self.tier) as w:
             w.write(data)
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        final = self.path(rel)
+        tmp = f"{final}.{layout.new_save_id()}.part"
+        with _LocalWriteStream(tmp, len(data), tier=self.tier) as w:
+            w.write(data)
+        try:
+            os.link(tmp, final)  # fails if ``final`` exists, a dangling link included: never follows one
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        fsync_dir(os.path.dirname(final))
+        return True
 
     def modified_times(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {}
