@@ -18,6 +18,8 @@ __all__ = [
     "StorageTimeoutError",
     "StorageUnavailableError",
     "UploadError",
+    "StepConflictError",
+    "RunConflictError",
     "RollbackError",
 ]
 
@@ -121,6 +123,17 @@ class StorageTimeoutError(StorageError, TimeoutError):
 
 class UploadError(StorageError):
     """A step could not be replicated to the remote tier."""
+
+
+class StepConflictError(UploadError, FileExistsError):
+    """The remote holds a committed copy of the step from another save: it is never replaced (the local copy is
+    kept; ``tierckpt verify``/``inspect`` show both)."""
+
+
+class RunConflictError(UploadError, FileExistsError):
+    """The remote tier belongs to another run (its ``run.json``, or steps of which this job holds no save): nothing
+    is uploaded. The message names both runs and how to continue the other one on purpose (restore from it, or
+    ``continue_remote_run=True``)."""
 
 
 class RollbackError(CheckpointError, ValueError):

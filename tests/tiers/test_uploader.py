@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests._support.steps import build_step, write_step
-from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UploadError
+from tierckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StepConflictError, UploadError
 from tierckpt.format import layout
 from tierckpt.storage.base import join
 from tierckpt.storage.commit import read_step_manifest
@@ -88,16 +88,24 @@ def test_skip_when_already_committed(make_store, local):
     assert remote.calls["open_write"] + remote.calls["write_bytes"] == writes  # nothing re-uploaded
 
 
-def test_newer_save_of_same_step_replaces_remote_copy(make_store, local):
+def test_another_save_of_a_committed_remote_step_is_never_replaced(make_store, local):
+    """A committed remote step of another save (another run's, or a rolled-back run's) stays as it is: the upload
+    raises StepConflictError before writing anything, and the remote still restores the other save's bytes."""
     remote = make_store("memory")
     old = build_step(4, seed=1)
     write_step(remote, old)
+    before = {n: remote.read_bytes(f"{layout.step_dir(4)}/{n}", max_size=1 << 30)
+              for n in remote.list(layout.step_dir(4))}
     new = build_step(4, seed=2)
     write_step(local, new)
-    replicate_step(local, remote, 4, retry=FAST)
-    assert read_step_manifest(remote, layout.step_dir(4), 4).save_id == new.save_id
-    assert _remote_files(remote, 4)[2] == new.files
-    assert not any(old.save_id in n for n in remote.list(layout.step_dir(4)))
+    with pytest.raises(StepConflictError) as ei:
+        replicate_step(local, remote, 4, retry=FAST)
+    assert ei.value.step == 4 and old.save_id in str(ei.value) and new.save_id in str(ei.value)
+    assert isinstance(ei.value, UploadError) and ei.value.transient is False
+    assert read_step_manifest(remote, layout.step_dir(4), 4).save_id == old.save_id
+    after = {n: remote.read_bytes(f"{layout.step_dir(4)}/{n}", max_size=1 << 30)
+             for n in remote.list(layout.step_dir(4))}
+    assert after == before  # not a byte written, not a file removed
 
 
 @pytest.mark.parametrize("fail", [{"open_write": [1]}, {"write": [2]}, {"close": [1]}, {"write_bytes": [1, 2]},
@@ -193,7 +201,7 @@ def test_a_silent_remote_fails_the_step_within_stall_s(make_store, local, op):
     gate = threading.Event()
     remote = FaultyStore(inner, stall={op: 1.0}, sleep=lambda _s: gate.wait(30))
     t0 = time.monotonic()
-    with pytest.raises(UploadError, match="no progress for 0.5 s"):
+    with pytest.raises(UploadError, match="no request succeeded for 0.5 s"):
         replicate_step(local, remote, 14, retry=FAST, deadline_s=60, stall_s=0.5)
     assert time.monotonic() - t0 < 3.0
     gate.set()

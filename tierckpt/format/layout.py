@@ -20,6 +20,8 @@ from ..errors import CorruptCheckpointError
 STEP_MANIFEST = "manifest.json"
 LOCK_PREFIX = ".lock-rank"
 RECORDS_FILE = "saves.jsonl"
+#: the run a root belongs to (:mod:`tierckpt.tiers.identity`)
+RUN_FILE = "run.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 #: Steps set aside by a rollback (``CheckpointManager.rollback_to``): never restored, listed or retained.

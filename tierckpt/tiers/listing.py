@@ -42,7 +42,7 @@ class RootListing:
     steps: dict[int, str]
     #: leftovers of unfinished saves: step folders without a manifest, and our temporary and trash folders
     incomplete: list[str]
-    #: anything else but the lock files and the save records
+    #: anything else but the lock files, the save records and the run identity
     other: list[str]
     #: step -> folder name of each step folder whose ``manifest.json`` does not verify (``verify_manifests`` only;
     #: without it such a folder is in :attr:`steps`)
@@ -93,7 +93,7 @@ def list_root(store: Store, *, verify_manifests: bool = False) -> RootListing:
             tmp_step = None if final is None else layout.parse_step_dir(final)
             if tmp_step is not None:
                 uncommitted.setdefault(tmp_step, []).append(name)
-        elif not name.startswith(layout.LOCK_PREFIX) and name != layout.RECORDS_FILE:
+        elif not name.startswith(layout.LOCK_PREFIX) and name not in (layout.RECORDS_FILE, layout.RUN_FILE):
             other.append(name)
     return RootListing(dict(sorted(steps.items())), incomplete, other, dict(sorted(corrupt.items())),
                        dict(sorted(uncommitted.items())))

@@ -35,7 +35,7 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from .. import faults
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UploadError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StepConflictError, UploadError
 from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
 from ..format.shards import mesh_index
@@ -128,7 +128,7 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
     ctx = Transfer(step, remote, opts.get("retry") or RetryPolicy(),
                None if deadline_s is None else time.monotonic() + deadline_s, opts.get("cancel"),
                opts.get("bucket") or (TokenBucket(bw, burst=min(part_size, bw)) if bw else None), opts.get("progress"),
-               opts.get("stall_s"))
+               opts.get("stall_s"), opts.get("on_error"))
     _manifest, rms = read_manifests(local, step, ranks=[rank])
     if not rms:
         raise CheckpointNotFoundError(f"rank {rank} has no shard of this step locally", step=step, tier=local.tier)
@@ -201,6 +201,13 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
             channel.post(f"{attempt}/go", {"error": f"rank 0: {exc}"})
             raise
         skip = there is not None and there.save_id == manifest.save_id
+        if there is not None and not skip:
+            conflict = StepConflictError(
+                f"the remote holds a committed copy of this step from another save ({there.save_id}; this one is "
+                f"{manifest.save_id}): a committed step is never replaced, so it is kept and this save stays in "
+                f"the local tier", step=step, tier=remote.tier, path=f"{remote.url}/{folder}", transient=False)
+            channel.post(f"{attempt}/go", {"error": f"rank 0: {conflict}"})
+            raise conflict
         channel.post(f"{attempt}/go", {"skip": skip})
         if skip:
             return False

@@ -5,8 +5,9 @@ thread, ``tierckpt sync`` from the command line. Invariants:
 
 - Only a committed, verified local step is read (its manifests' checksums and its files' sizes are checked first; a
   damaged one raises :class:`CorruptCheckpointError` naming it). The local copy is never modified.
-- What is committed on the remote is never re-uploaded: a remote ``manifest.json`` with the same ``save_id`` means
-  the step is there already.
+- What is committed on the remote is never re-uploaded nor replaced: a remote ``manifest.json`` with the same
+  ``save_id`` means the step is there already; one with another ``save_id`` (another run's, or an earlier save of
+  a rolled-back run) raises :class:`~tierckpt.errors.StepConflictError` before anything is written.
 - The remote's commit protocol is followed: data files, then rank manifests, then ``manifest.json`` last, then
   ``protocol.commit``. A step is visible on the remote only once every file it names is complete and checked (sizes
   always; re-read and hashed with ``verify=True``). On failure before ``manifest.json`` is written, ``protocol.abort``
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import faults
-from ..errors import CheckpointError, CorruptCheckpointError, UploadError
+from ..errors import CheckpointError, CorruptCheckpointError, StepConflictError, UploadError
 from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
@@ -116,6 +117,7 @@ def replicate_step(
     cancel: threading.Event | None = None,
     bucket: TokenBucket | None = None,
     stall_s: float | None = None,
+    on_error: Callable[[BaseException], Any] | None = None,
 ) -> ReplicationResult:
     """Copy committed step ``step`` from ``local`` to ``remote`` and commit it there (see the module docstring).
 
@@ -126,7 +128,7 @@ def replicate_step(
     ``deadline_s`` bounds the whole step; ``progress(n)`` is called with the bytes read from the local tier as they
     go (resent bytes count again); setting ``cancel`` stops the step within a chunk's time; ``stall_s`` fails the
     step once nothing has moved for that long (no request succeeded, no chunk was handed over), even while a
-    request still waits for a silent endpoint.
+    request still waits for a silent endpoint; ``on_error(exc)`` is told of every failed request, retried or not.
 
     Raises :class:`CheckpointNotFoundError` / :class:`CorruptCheckpointError` for a missing / damaged local step,
     :class:`UploadError` (step, file and URL in its message; the cause chained) when it cannot be replicated.
@@ -140,7 +142,7 @@ def replicate_step(
     deadline = t0 + deadline_s if deadline_s is not None else None
     if bucket is None and bandwidth_bytes_per_s:
         bucket = TokenBucket(bandwidth_bytes_per_s, burst=min(part_size, bandwidth_bytes_per_s))
-    ctx = Transfer(step, remote, retry, deadline, cancel, bucket, progress, stall_s)
+    ctx = Transfer(step, remote, retry, deadline, cancel, bucket, progress, stall_s, on_error)
     folder = layout.step_dir(step)
 
     manifest, raw_step, ranks = _read_local_step(local, step)
@@ -159,6 +161,12 @@ def replicate_step(
                          remote.tier, url_of(remote, folder), manifest.save_id)
                 return ReplicationResult(step, 0, 0, time.monotonic() - t0, 0, ctx.retries, skipped=True,
                                          compression=compression)
+            if existing is not None:
+                raise StepConflictError(
+                    f"the remote holds a committed copy of this step from another save ({existing.save_id}; this "
+                    f"one is {manifest.save_id}): a committed step is never replaced, so it is kept and this save "
+                    f"stays in the local tier", step=step, tier=remote.tier, path=url_of(remote, folder),
+                    transient=False)
             save_tag = layout.new_save_id()
             staging = run_jobs(pool, ctx, [(folder, lambda: ctx.call(
                 lambda: protocol.begin(remote, step, save_tag), "prepare", folder))])[0]
@@ -257,8 +265,9 @@ def _fail(ctx: Transfer, protocol: Any, local: Store, remote: Store, staging: st
           exc: BaseException, manifest_started: bool) -> BaseException:
     ctx.stop.set()
     _abort(protocol, remote, staging, step, manifest_started)
-    if isinstance(exc, CorruptCheckpointError) and exc.tier == local.tier != remote.tier:
-        return exc  # the local copy is damaged: say so, not "upload failed"
+    if isinstance(exc, StepConflictError) or (isinstance(exc, CorruptCheckpointError)
+                                              and exc.tier == local.tier != remote.tier):
+        return exc  # another save's committed step, or a damaged local copy: say so, not "upload failed"
     if isinstance(exc, Cancelled):
         why = "cancelled"
     elif isinstance(exc, DeadlineExceeded):
