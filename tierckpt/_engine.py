@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .distributed import Coordinator
     from .snapshot.staging import StagingPool
     from .storage.local import LocalStore
+    from .tiers.identity import RunIdentity
 
 
 class Engine:
@@ -30,7 +31,9 @@ class Engine:
     - ``io``, ``hash``: the io and hashing thread pools (``options.writer_threads`` each);
     - ``pool``: the staging pool; ``huge``: whether large buffers go on transparent huge pages;
     - ``coord``: the gloo groups and collectives of a multi-rank job, or None;
-    - ``bounce``: the in-place restore's bounce buffers (owned here; None until a restore makes them).
+    - ``bounce``: the in-place restore's bounce buffers (owned here; None until a restore makes them);
+    - ``identity``, ``continues_remote``: the run identity of the local tier, and whether this job continues the
+      remote's run (set by the manager and the run-identity check before the first upload).
     """
 
     def __init__(self, *, local: LocalStore, remote: Store | None, rank: int, world_size: int, options: Options,
@@ -42,6 +45,10 @@ class Engine:
         self.pool, self.huge = pool, huge
         self.coord = coord
         self.bounce: BounceBuffers | None = None
+        #: the run this manager's checkpoints belong to (:mod:`tierckpt.tiers.identity`); set by the manager
+        self.identity: RunIdentity | None = None
+        #: a restore read a step from the remote: this job continues the remote's run (its identity is adopted)
+        self.continues_remote = False
 
     def close(self) -> None:
         """Drop the bounce buffers (their memory is unmapped with them)."""

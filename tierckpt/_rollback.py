@@ -46,11 +46,16 @@ def newest_committed(floor: int | None, remote_steps: set[int] | None,
 
 def set_aside_newer(eng: Engine, replicator: Replicator | None, step: int) -> list[int]:
     """Set aside every committed step after ``step`` in every tier (rank 0 the remote's, each node's leader its
-    folder's), after the replicator forgot them; every rank of a multi-rank job calls it, and none returns before
-    every tier is done. Returns the steps set aside.
+    folder's; the remote first, so that a kill half-way never leaves a restart a newer step only remotely), once
+    the replicator is fenced: it dropped the newer steps and its upload of one, if any, was cancelled and waited
+    for, so none lands afterwards. Every rank of a multi-rank job calls it, and none returns before every tier is
+    done; calling it again after a kill finishes the job. Returns the steps set aside.
 
     Raises:
-        StorageError: the remote could not be listed within ``remote_timeout_s`` (nothing is set aside then)."""
+        StorageError: the remote could not be listed within ``remote_timeout_s`` (nothing is set aside then).
+        TimeoutError: an upload in progress did not stop in time (nothing is set aside; call it again)."""
+    if replicator is not None:  # first: no upload of a newer step may land after the set-aside below
+        replicator.fence(step, timeout_s=eng.options.remote_timeout_s + 30.0)
     remote_newer: list[int] = []
     if eng.remote is not None:
         listing = list_tiers([eng.remote], deadline_s=eng.options.remote_timeout_s)

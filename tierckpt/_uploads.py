@@ -1,32 +1,44 @@
-"""What the manager's replication component calls on the upload thread: one step's upload, and local retention
-where no remote tier is configured."""
+"""The manager's remote-tier glue: what its replication component calls on the upload thread (one step's upload,
+the run-identity check before the first one), local retention where no remote tier is configured, the listings
+that answer from the other tiers while the remote is known down, and the report of unfinished uploads at close."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _sharded
+from .errors import RunConflictError, StorageError
+from .format import layout
+from .status import StepInfo, list_steps
+from .storage.base import Store
+from .storage.commit import read_step_manifest
+from .storage.failures import with_deadline
 from .storage.retry import RetryPolicy
-from .tiers import uploader
+from .tiers import identity, uploader
+from .tiers.listing import TierListings, list_tiers
 from .tiers.verify import list_root
 
 if TYPE_CHECKING:
     from ._engine import Engine
-    from .replication import ReplicationPolicy
+    from .replication import ReplicationPolicy, Replicator
 
 log = logging.getLogger(__name__)
 
 
-def upload(eng: Engine, step: int, *, bucket: Any, channel: Any, attempt: str | None = None) -> None:
+def upload(eng: Engine, step: int, *, bucket: Any, channel: Any, attempt: str | None = None,
+           cancel: threading.Event | None = None, on_error: Callable[[BaseException], Any] | None = None) -> None:
     """Replicate committed local step ``step`` to ``eng.remote`` (``bucket``: the bandwidth cap's token bucket or
-    None; ``channel``, ``attempt``: a multi-rank upload's messages and name, the same on every rank). Raises
+    None; ``channel``, ``attempt``: a multi-rank upload's messages and name, the same on every rank; ``cancel``:
+    stops the upload soon after it is set; ``on_error``: told of every failed request). Raises
     :class:`~tierckpt.errors.UploadError` (or another :class:`~tierckpt.errors.StorageError`) on failure."""
     assert eng.remote is not None
     o = eng.options
     opts = dict(threads=o.upload_threads, part_size=o.upload_part_mb << 20, compression=o.remote_compression,
                 verify=o.verify_uploads, deadline_s=o.upload_deadline_s, bucket=bucket,
-                retry=RetryPolicy(window_s=o.remote_timeout_s),
+                retry=RetryPolicy(window_s=o.remote_timeout_s), cancel=cancel, on_error=on_error,
                 stall_s=o.remote_timeout_s)  # a silent remote fails the step in that time
     if eng.coord is None:
         uploader.replicate_step(eng.local, eng.remote, step, **opts)
@@ -45,3 +57,113 @@ def apply_local_retention(eng: Engine, retention: ReplicationPolicy) -> None:
             uploader.delete_step(eng.local, step)
     except Exception as exc:
         log.warning("tier local: retention failed under %s: %s", eng.local.url, exc)
+
+
+# ------------------------------------------------------------------------------------------------ the run identity
+def claim_remote(eng: Engine) -> None:
+    """Before the first upload (on the upload thread): check that the remote belongs to this run, claiming an empty
+    root, within ``remote_timeout_s`` (:func:`tierckpt.tiers.identity.check_remote`). Adopts the remote's run when
+    this job continues it on purpose (``continue_remote_run``, or a restore that read a step from the remote).
+
+    Raises:
+        RunConflictError: the remote belongs to another run; StorageError: it could not be read in time."""
+    assert eng.remote is not None
+    remote, local = eng.remote, eng.local
+
+    def shares_saves(steps: set[int]) -> bool:
+        for s in sorted(set(list_root(local).steps) & steps, reverse=True)[:3]:
+            mine = read_step_manifest(local, layout.step_dir(s), s)
+            theirs = read_step_manifest(remote, layout.step_dir(s), s)
+            if mine is not None and theirs is not None and mine.save_id == theirs.save_id:
+                return True
+        return False
+
+    ident = with_deadline(
+        lambda: identity.check_remote(remote, eng.identity, local_url=local.url,
+                                      adopt_theirs=eng.options.continue_remote_run or eng.continues_remote,
+                                      shares_saves=shares_saves),
+        deadline_s=eng.options.remote_timeout_s, what="check the run identity of", tier=remote.tier, url=remote.url)
+    if ident != eng.identity:
+        identity.adopt(local, ident)
+        eng.identity = ident
+
+
+def note_restored(eng: Engine, replicator: Replicator | None, step: int | None, listing: TierListings) -> None:
+    """A restore or load returned ``step``: if it came from the remote (the local tier does not hold it), this job
+    continues the remote's run, and uploads may claim it (see :mod:`tierckpt.tiers.identity`)."""
+    if replicator is None or step is None or step in listing.steps.get(eng.local.tier, set()):
+        return
+    if step in listing.steps.get("remote", set()) and not eng.continues_remote:
+        eng.continues_remote = True
+        replicator.adopt()
+
+
+# ------------------------------------------------------------------------------------------------ listings
+def list_for_call(eng: Engine, replicator: Replicator | None, tiers: list[Store], step: int | None) -> TierListings:
+    """The tiers' committed steps for a restore, load or ``latest_step()``, bounded by ``remote_timeout_s``. While
+    the remote is known to be failing (:meth:`RemoteState.known_down`) and another tier holds an answer (a step, or
+    ``step``), the remote is not asked again: its known error stands in its place. A listing of the remote tells
+    the remote's state how it went."""
+    state = None if replicator is None else replicator.state
+    remote = eng.remote
+    down = None if state is None else state.known_down()
+    if down is not None and remote is not None and remote in tiers and len(tiers) > 1:
+        rest = list_tiers([t for t in tiers if t is not remote], deadline_s=eng.options.remote_timeout_s)
+        if rest.known() if step is None else step in rest.known():
+            return TierListings(rest.steps, {**rest.failed, remote.tier: down})
+    listing = list_tiers(tiers, deadline_s=eng.options.remote_timeout_s)
+    if state is not None and remote is not None and remote in tiers:
+        failed = listing.failed.get(remote.tier)
+        if failed is None:
+            state.succeeded()
+        else:
+            state.attempt_failed(failed, "listing")
+    return listing
+
+
+def steps(eng: Engine, replicator: Replicator | None) -> list[StepInfo]:
+    """``CheckpointManager.steps()``: every step of both tiers with its state; the local tier's alone (failed and
+    queued uploads still marked) when the remote is known down or cannot be listed, or :class:`StorageError` when
+    the local tier holds none."""
+    failed = replicator.failed() if replicator is not None else set()
+    waiting = replicator.waiting() if replicator is not None else set()
+    remote = eng.remote
+    configured = remote is not None
+    down = None if replicator is None else replicator.state.known_down()
+    if remote is not None and (down is None or not list_root(eng.local).steps):
+        try:
+            out = list_steps(eng.local, remote, failed, waiting, remote_deadline_s=eng.options.remote_timeout_s)
+        except StorageError as exc:
+            down = exc
+            if replicator is not None:
+                replicator.state.attempt_failed(exc, "listing")
+        else:
+            if replicator is not None:
+                replicator.state.succeeded()
+            return out
+    if down is not None:
+        TierListings({"local": set(list_root(eng.local).steps)}, {"remote": down}).require(
+            None, remote.url if remote is not None else eng.local.url)
+    return list_steps(eng.local, None, failed, waiting, remote_configured=configured)
+
+
+# ------------------------------------------------------------------------------------------------ closing
+def report_unfinished(eng: Engine, replicator: Replicator, errors: list[BaseException], *, raise_errors: bool) -> None:
+    """At ``close()``: log once which committed local steps the remote does not hold (kept locally for the next
+    start or ``tierckpt sync``) and, with ``raise_errors``, raise the first upload error; a run conflict is always
+    raised. Errors of local saves are the caller's."""
+    unfinished = sorted(replicator.failed() | replicator.waiting())
+    if unfinished:
+        assert eng.remote is not None
+        log.error("tier remote: %d committed steps are not on %s (%s); they are kept in %s: the next start resumes "
+                  "their upload, or run `tierckpt sync %s %s`", len(unfinished), eng.remote.url,
+                  ", ".join(map(str, unfinished)), eng.local.url, eng.local.url, eng.remote.url)
+    conflicts = [e for e in errors if isinstance(e, RunConflictError)]
+    if conflicts:
+        raise conflicts[0]
+    if errors and raise_errors:
+        if len(errors) > 1:
+            log.error("%d more upload errors are not raised (their steps are listed above)", len(errors) - 1)
+        raise errors[0]
+    for exc in errors:
+        log.warning("tier remote: upload error at close (not raised: raise_upload_errors=False): %s", exc)

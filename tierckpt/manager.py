@@ -39,7 +39,7 @@ from ._memory import huge_pages_available
 from ._pipeline import SavePipeline
 from ._records import BackgroundErrors, SaveLog, record_hooks
 from .distributed import Coordinator, rank_and_world
-from .errors import CheckpointError, StorageError
+from .errors import CheckpointError
 from .handle import SaveHandle, SaveRecord
 from .options import (
     DistributedOptions,
@@ -52,14 +52,13 @@ from .options import (
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .replication import Health, ReplicationPolicy, Replicator
 from .snapshot import staging
-from .status import StepInfo, list_steps
+from .status import StepInfo
 from .storage import folder_lock
 from .storage.base import Store
 from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
-from .tiers import uploader
-from .tiers.listing import TierListings, list_tiers
+from .tiers import identity, uploader
 from .tiers.verify import list_root
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,7 @@ class CheckpointManager:
         remote_timeout_s: float = Options.remote_timeout_s,
         max_upload_backlog: int = Options.max_upload_backlog,
         create_bucket: bool = Options.create_bucket,
+        continue_remote_run: bool = Options.continue_remote_run,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
         on_record: Callable[[SaveRecord], None] | Sequence[Callable[[SaveRecord], None]] | None = None,
@@ -168,6 +168,7 @@ class CheckpointManager:
             # what a restart finds committed locally: resumed by the replicator, and the floor below which save()
             # refuses a step (a rollback must be explicit)
             local_steps = sorted(list_root(self.local).steps)
+            run = identity.local_identity(self.local)
             if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what all still have
                 local_steps = self._coord.reduce(local_steps, self._coord.main_lane, _common_steps,
                                                  what="the steps every rank holds")
@@ -181,6 +182,7 @@ class CheckpointManager:
         self._engine = Engine(local=self.local, remote=self.remote, rank=self.rank, world_size=self.world_size,
                               options=self.options, io=self._io, hash=self._hash, huge=self._huge, coord=self._coord,
                               pool=staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge))
+        self._engine.identity = run
         self._log = SaveLog(hooks, log_to=self.local.root if self.options.log_records else None)
         self._errors = BackgroundErrors()
         self._pipeline = SavePipeline(self._engine, track=self._track, background_error=self._errors.add,
@@ -202,12 +204,13 @@ class CheckpointManager:
         """Build and start the replication component for ``self.remote``; ``resume``: committed local steps."""
         assert self.remote is not None
         leader = self._coord is None or self._coord.topology.is_node_leader
+        first = self._coord is None or self._coord.topology.rank == 0
         self._channel = None if self._coord is None else self._coord.upload_channel()
         self._replicator = Replicator(
             self.local, self.remote, policy=self._retention, upload=self._upload, resume=resume,
-            on_done=self._log.write, track=self._track,
-            remote_retention=self._coord is None or self._coord.topology.rank == 0, local_retention=leader,
-            channel=self._channel, list_deadline_s=self.options.remote_timeout_s)
+            on_done=self._log.write, track=self._track, remote_retention=first, local_retention=leader,
+            channel=self._channel, list_deadline_s=self.options.remote_timeout_s,
+            claim=(lambda: _uploads.claim_remote(self._engine)) if first else None)
         self._replicator.start()
 
     @property
@@ -306,8 +309,10 @@ class CheckpointManager:
             self._track(self._replicator.submit(handle.step, handle))
 
     # ------------------------------------------------------------------------------------------------ remote
-    def _upload(self, step: int, attempt: str | None = None) -> None:
-        _uploads.upload(self._engine, step, bucket=self._bucket, channel=self._channel, attempt=attempt)
+    def _upload(self, step: int, attempt: str | None = None, cancel: Any = None) -> None:
+        assert self._replicator is not None
+        _uploads.upload(self._engine, step, bucket=self._bucket, channel=self._channel, attempt=attempt,
+                        cancel=cancel, on_error=self._replicator.state.request_failed)
 
     def health(self) -> Health:
         """Where both tiers stand: newest committed step per tier, upload lag in steps and seconds, the step being
@@ -350,6 +355,10 @@ class CheckpointManager:
             TimeoutError: work is still pending after ``timeout`` seconds.
             CheckpointError: a background save failed, or an upload (:class:`UploadError`; the local copy is
                 kept)."""
+        self._wait_pending(timeout)
+        self._raise_background_error()
+
+    def _wait_pending(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             pending = list(self._pending)
@@ -359,7 +368,6 @@ class CheckpointManager:
             done, not_done = wait_futures(pending, timeout=left)
             if not_done and deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{len(not_done)} checkpoint operations still pending after {timeout} s")
-        self._raise_background_error()
 
     def _raise_background_error(self, *, local_only: bool = False) -> None:
         """Re-raise the first background error not raised yet. ``local_only``: only failures to write the local
@@ -394,16 +402,19 @@ class CheckpointManager:
             raise ValueError(f"in_place must be a bool, got {in_place!r}")
         tiers = self._read_tiers(step, source)
         if self._coord is None:
-            listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
+            listing = _uploads.list_for_call(self._engine, self._replicator, tiers, step)
         else:
             listing = _sharded.list_tiers_shared(self._engine, tiers, deadline_s=self.options.remote_timeout_s)
         with _gc.paused():
             if self._coord is not None:
-                return _sharded.restore(self._engine, state, step, tiers, strict=strict, listing=listing,
+                done = _sharded.restore(self._engine, state, step, tiers, strict=strict, listing=listing,
                                         load=lambda *a: _restore.prepare(self._engine, *a, in_place=in_place))
-            listing.require(step, ", ".join(t.url for t in tiers))
-            return _restore.restore(self._engine, state, step, tiers, strict=strict, in_place=in_place,
-                                    listing=listing)
+            else:
+                listing.require(step, ", ".join(t.url for t in tiers))
+                done = _restore.restore(self._engine, state, step, tiers, strict=strict, in_place=in_place,
+                                        listing=listing)
+        _uploads.note_restored(self._engine, self._replicator, done, listing)
+        return done
 
     def load(self, step: int | None = None, *, source: str = "auto",
              keys: Sequence[str] | None = None) -> _load.LoadResult:
@@ -449,7 +460,7 @@ class CheckpointManager:
             if not keys:
                 raise ValueError("keys must name at least one top-level key (None loads them all)")
         tiers = self._read_tiers(step, source)
-        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)  # each rank on its own
+        listing = _uploads.list_for_call(self._engine, self._replicator, tiers, step)  # each rank on its own
         listing.require(step, ", ".join(t.url for t in tiers))
         with _gc.paused():
             return _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
@@ -482,24 +493,18 @@ class CheckpointManager:
         (None would mean "start from scratch")."""
         self._check_open()
         tiers = [s for s in (self.local, self.remote) if s is not None]
-        listing = list_tiers(tiers, deadline_s=self.options.remote_timeout_s)
+        listing = _uploads.list_for_call(self._engine, self._replicator, tiers, None)
         listing.require(None, ", ".join(t.url for t in tiers))
         known = listing.known()
         return max(known) if known else None
 
     def steps(self) -> list[StepInfo]:
         """Every step known in either tier, with where it is and its state. When the remote tier cannot be listed
-        within ``remote_timeout_s``, the local tier's steps are returned with a warning, or, if it holds none,
+        within ``remote_timeout_s`` (or is known to be failing: then it is not asked again), the local tier's steps
+        are returned with a warning, failed uploads marked ``upload-failed``, or, if it holds none,
         :class:`StorageError` is raised."""
         self._check_open()
-        failed = self._replicator.failed() if self._replicator is not None else set()
-        waiting = self._replicator.waiting() if self._replicator is not None else set()
-        try:
-            return list_steps(self.local, self.remote, failed, waiting, remote_deadline_s=self.options.remote_timeout_s)
-        except StorageError as exc:
-            TierListings({"local": set(list_root(self.local).steps)}, {"remote": exc}).require(
-                None, self.remote.url if self.remote is not None else self.local.url)
-            return list_steps(self.local, None, failed, waiting)
+        return _uploads.steps(self._engine, self._replicator)
 
     # ------------------------------------------------------------------------------------------------ rollback
     def rollback_to(self, step: int) -> list[int]:
@@ -546,19 +551,35 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed", path=self.local.url)
 
-    def close(self, *, timeout: float | None = None) -> None:
+    def close(self, *, timeout: float | None = None, raise_upload_errors: bool = True) -> None:
         """Wait for pending work, stop the background threads and release the folder. Idempotent.
 
+        Every save is committed locally first. Then the uploads: while the remote answers, close waits for the
+        steps still queued (each bounded by ``upload_deadline_s`` and, for a silent remote, ``remote_timeout_s``);
+        once the remote fails, or if it was failing already, no further step is tried: close returns after the
+        upload in progress, logs once which committed steps the remote lacks (kept locally: the next start resumes
+        them, or ``tierckpt sync``), and raises the first upload error, or only logs it with
+        ``raise_upload_errors=False`` (what the Lightning and Hugging Face plug-ins do unless ``strict_uploads``).
+
         Raises:
-            CheckpointError: as :meth:`wait` (the threads stop and the folder is released all the same)."""
+            CheckpointError: a local save failed; :class:`UploadError` as above; :class:`RunConflictError` always
+                (the threads stop and the folder is released all the same).
+            TimeoutError: work is still pending after ``timeout`` seconds."""
         if self._closed:
             return
         try:
-            self.wait(timeout)
+            if self._replicator is None:
+                self.wait(timeout)
+            else:
+                self._replicator.begin_close()
+                self._wait_pending(timeout)
+                self._errors.raise_first()
+                _uploads.report_unfinished(self._engine, self._replicator, self._replicator.take_errors(),
+                                           raise_errors=raise_upload_errors)
         finally:
             self._closed = True
-            if self._replicator is not None:
-                self._replicator.close(timeout)
+            if self._replicator is not None:  # idle by now, unless a listing of a silent remote is in flight
+                self._replicator.close(timeout if timeout is not None else self.options.remote_timeout_s)
             self._pipeline.close()
             self._io.shutdown(wait=True)
             self._hash.shutdown(wait=True)

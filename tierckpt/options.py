@@ -53,7 +53,8 @@ class RemoteTierOptions:
     upload_threads: int = 4
     #: cap on upload bandwidth in MB/s (None: none), to leave the network to training
     upload_bandwidth_mbps: float | None = None
-    #: a step's upload fails after this many seconds (None: never); ``close()`` waits at most this long for one
+    #: a step's upload fails after this many seconds (None: never); ``close()`` waits at most this long for the
+    #: upload in progress, and tries no other once the remote fails
     upload_deadline_s: float | None = 3600.0
     #: size of one part of a multipart upload to S3 (5-5120 MiB); ``remote_write_concurrency`` of them in memory
     upload_part_mb: int = DEFAULT_PART_SIZE >> 20
@@ -75,6 +76,10 @@ class RemoteTierOptions:
     max_upload_backlog: int = 2
     #: create the remote's bucket if it is missing (default: a mistyped bucket name fails)
     create_bucket: bool = False
+    #: this job continues the run whose checkpoints the remote holds, though its local folder belongs to another
+    #: run (or is new and restored nothing from the remote): it adopts that run's identity. Without it such a job
+    #: uploads nothing (``RunConflictError``), so that no other run's checkpoint is ever mixed or replaced
+    continue_remote_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,7 @@ class Options(Heuristics, DistributedOptions, RemoteTierOptions, LocalTierOption
         if self.remote_compression not in (None, "zstd"):
             raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
         for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io",
-                     "create_bucket"):
+                     "create_bucket", "continue_remote_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("pin_memory", "overlap_writes", "remote_direct_io", "huge_pages"):

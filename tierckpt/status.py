@@ -38,8 +38,10 @@ class StepInfo:
 
 
 def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uploading: set[int], *,
-               remote_deadline_s: float | None = None) -> list[StepInfo]:
-    """Every step of ``local`` and ``remote`` with its state (see :class:`StepInfo`).
+               remote_deadline_s: float | None = None, remote_configured: bool | None = None) -> list[StepInfo]:
+    """Every step of ``local`` and ``remote`` with its state (see :class:`StepInfo`). ``remote_configured``: a
+    remote tier exists though ``remote`` is None (it could not be listed): local steps still show as
+    ``uploading`` / ``upload-failed``.
 
     The remote is listed with retries of transient failures for at most ``remote_deadline_s`` seconds (None: the
     backend's own timeouts); raises :class:`~tierckpt.errors.StorageError` (``StorageTimeoutError`` at the
@@ -65,15 +67,16 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
     # one manifest read per step: issued together when some steps come from the remote (an object store)
     remote_only = remote is not None and any(step not in loc for step in rem)
     found = each(manifest, steps, concurrency=remote.read_concurrency if remote_only else 1)
+    has_remote = remote is not None if remote_configured is None else remote_configured
     out = []
     for step, (size, created, broken, world, held) in zip(steps, found):
         if broken:
             state = "failed"
         elif step in loc and step in rem:
             state = "local+remote"
-        elif step in loc and remote is not None and step in uploading:
+        elif step in loc and has_remote and step in uploading:
             state = "uploading"
-        elif step in loc and remote is not None and step in upload_failed:
+        elif step in loc and has_remote and step in upload_failed:
             state = "upload-failed"
         else:
             state = "local" if step in loc else "remote"

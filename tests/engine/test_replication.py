@@ -89,7 +89,7 @@ class _Remote:
         self.down = threading.Event()
         self.order: list[int] = []
 
-    def upload(self, step: int) -> None:
+    def upload(self, step: int, **_kw) -> None:
         if self.down.is_set():
             raise UploadError("remote down", step=step, tier="remote", path=self.remote.url)
         from tierckpt.tiers.uploader import replicate_step
@@ -243,14 +243,14 @@ def test_follower_step_committed_while_its_upload_runs_resolves(tmp_path: Path, 
     flocal, fremote = _stores(tmp_path / "r1", [1])
     started, release = threading.Event(), threading.Event()
 
-    def follower_upload(step: int, attempt: str = "") -> None:
+    def follower_upload(step: int, attempt: str = "", **_kw) -> None:
         started.set()
         assert release.wait(20)
         if fails:
             raise UploadError("remote down", step=step, tier="remote", path=fremote.url)
 
     leader = Replicator(llocal, lremote, policy=ReplicationPolicy(keep_local=2), resume=[],
-                        upload=lambda step, attempt="": None, on_done=lambda h: None, channel=leader_ch,
+                        upload=lambda step, attempt="", **_kw: None, on_done=lambda h: None, channel=leader_ch,
                         list_deadline_s=2)
     follower = Replicator(flocal, fremote, policy=ReplicationPolicy(keep_local=2), resume=[],
                           upload=follower_upload, on_done=lambda h: None, channel=follower_ch, list_deadline_s=2)

@@ -31,12 +31,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointNotFoundError, RunConflictError, StepConflictError, UploadError
 from ..storage.base import Store
-from ..storage.failures import describe, with_deadline
+from ..storage.failures import with_deadline
 from ..tiers.listing import list_root
 from ..tiers.steps import delete_step
 from .policy import OVER_BACKLOG, REPLICATED, SUPERSEDED, ReplicationPolicy
+from .remote_state import RemoteState
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +97,25 @@ class _Waiter:
 
 
 class Replicator:
-    """See the module docstring. ``upload(step)`` replicates one committed local step (raises on failure; in a
-    multi-rank job it is called as ``upload(step, attempt=name)``, the same name on every rank);
-    ``resume`` are the committed local steps found at start-up (uploaded if the remote lacks them and still wants
-    them); ``on_done(handle)`` is called once a handle's upload is resolved (the manager writes its record);
-    ``track(future)`` is handed the future of each upload the component starts by itself (resumed steps, and failed
-    steps caught up once the remote answers again), so that the owner's ``wait()`` includes them.
+    """See the module docstring. ``upload(step, cancel=event)`` replicates one committed local step (raises on
+    failure; stops soon after ``event`` is set; in a multi-rank job it is called with ``attempt=name`` too, the same
+    name on every rank); ``resume`` are the committed local steps found at start-up (uploaded if the remote lacks
+    them and still wants them); ``on_done(handle)`` is called once a handle's upload is resolved (the manager writes
+    its record); ``track(future)`` is handed the future of each upload the component starts by itself (resumed
+    steps, and failed steps caught up once the remote answers again), so that the owner's ``wait()`` includes them.
     ``remote_retention`` / ``local_retention``: whether this process applies each tier's retention (in a
     multi-rank job, rank 0 and each node's leader). ``channel``: a multi-rank job's decisions (see the module
     docstring). ``list_deadline_s``: how long a listing of the remote keeps trying before it is given up for now.
-    ``clock``: monotonic seconds, for the retry backoff (tests inject their own, then call :meth:`wake`)."""
+    ``claim()``: called on this thread before the first upload (and again until it succeeds): checks that the
+    remote belongs to this run (:mod:`tierckpt.tiers.identity`); a :class:`~tierckpt.errors.RunConflictError` it
+    raises stops every upload. ``clock``: monotonic seconds, for the retry backoff (tests inject their own, then
+    call :meth:`wake`)."""
 
-    def __init__(self, local: Store, remote: Store, *, policy: ReplicationPolicy, upload: Callable[[int], Any],
+    def __init__(self, local: Store, remote: Store, *, policy: ReplicationPolicy, upload: Callable[..., Any],
                  resume: list[int], on_done: Callable[[Any], None], track: Callable[[Future], Any] = lambda f: None,
                  remote_retention: bool = True, local_retention: bool = True,
                  channel: UploadChannel | None = None, list_deadline_s: float | None = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 claim: Callable[[], Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.local = local
         self.remote = remote
         self.policy = policy
@@ -125,7 +129,11 @@ class Replicator:
         #: a follower's outcome of each step a decision named: its submit() may come after the decision
         self._outcomes: dict[int, tuple[str, Any]] = {}
         self._list_deadline_s = list_deadline_s
+        self._claim = claim
+        self._claimed = claim is None or self._follower
         self._clock = clock
+        #: the remote's failure streak and backoff, shared with the manager's listings
+        self.state = RemoteState(remote.url, retry_delay=policy.retry_delay, clock=clock)
         self._cond = threading.Condition()
         self._retention_lock = threading.Lock()
         self._track = track
@@ -134,15 +142,15 @@ class Replicator:
         self._resume = set(resume)
         for step in resume:  # queued now, so that wait() covers them before the thread has listed the remote
             self._waiting[step] = [self._own_waiter()]
-        self._retry_at: dict[int, float] = {}
+        self._failed_steps: set[int] = set()  # failed or deferred while the remote fails: tried again after it
+        self._fenced: set[int] = set()  # set aside by a rollback: never uploaded (a new save of the step lifts it)
         self._replicated: set[int] = set()
         self._remote_steps: set[int] | None = None
         self._current: int | None = None
-        self._failures = 0
-        self._failing_since: float | None = None
-        self._last_error: str | None = None
-        self._last_error_time: float | None = None
-        self._errors: list[BaseException] = []
+        self._cancel: threading.Event | None = None  # the upload in progress stops when it is set
+        self._conflict: BaseException | None = None  # the remote belongs to another run: nothing is uploaded
+        self._errors: list[tuple[int | None, BaseException]] = []  # (step, error) not taken yet
+        self._closing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tierckpt-upload", daemon=True)
 
@@ -158,26 +166,28 @@ class Replicator:
     def submit(self, step: int, handle: Any = None) -> Future:
         """Queue committed local step ``step``; returns a future that resolves (never with an error) once its
         first upload attempt is over: uploaded, failed (the error is in ``handle.uploaded`` and
-        :meth:`take_errors`) or dropped."""
+        :meth:`take_errors`), dropped, or not tried because the remote is failing (then it is tried again with the
+        other failed steps once the remote's backoff has passed)."""
         fut: Future = Future()
         waiter = _Waiter(handle, fut)
         with self._cond:
             self._committed_at.setdefault(step, self._clock())
+            self._fenced.discard(step)  # a new save of a step a rollback set aside
             outcome = self._outcomes.pop(step, None)
             if outcome is None:
                 self._waiting.setdefault(step, []).append(waiter)
-                self._retry_at.pop(step, None)
+                self._failed_steps.discard(step)
                 self._cond.notify_all()
         if outcome is not None:  # a follower whose leader decided on this step before it was committed here
             kind, detail = outcome
             if kind == "failed":
-                self._fail_waiters([waiter], detail)
+                self._fail_waiters(step, [waiter], detail)
             else:
                 self._resolve(step, [waiter], skipped=detail if kind == "dropped" else None)
         return fut
 
     def wake(self) -> None:
-        """Re-evaluate which failed steps are due now (after the injected ``clock`` moved; tests)."""
+        """Re-evaluate whether the remote is due (after the injected ``clock`` moved; tests)."""
         with self._cond:
             self._cond.notify_all()
 
@@ -192,31 +202,74 @@ class Replicator:
             return out if self._current is None else out | {self._current}
 
     def failed(self) -> set[int]:
-        """Steps whose last upload failed and that are waiting for a retry."""
+        """Steps whose last upload failed (or that were not tried while the remote failed), waiting for a retry."""
         with self._cond:
-            return set(self._retry_at)
+            return set(self._failed_steps)
 
     def remote_steps(self) -> set[int] | None:
-        """Committed remote steps as last listed or uploaded; None while the remote has not been listed."""
+        """Committed remote steps as last listed or uploaded; None while the remote has not been listed (or
+        belongs to another run)."""
         with self._cond:
-            return None if self._remote_steps is None else set(self._remote_steps)
+            return None if self._remote_steps is None or self._conflict is not None else set(self._remote_steps)
+
+    def fence(self, above: int, timeout_s: float | None) -> list[int]:
+        """Stop replicating every step after ``above`` (a rollback sets them aside next): the waiting and failed
+        ones are dropped, and an upload of one in progress is cancelled and waited for (at most ``timeout_s``), so
+        that no upload lands after the caller has set the steps aside. A later :meth:`submit` of such a step (a new
+        save) uploads it as usual. Returns the steps dropped or cancelled.
+
+        Raises:
+            TimeoutError: the upload in progress did not stop within ``timeout_s``."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            newer = {s for s in set(self._waiting) | self._failed_steps if s > above}
+            dropped = [(s, self._waiting.pop(s, [])) for s in newer]
+            self._failed_steps -= newer
+            self._fenced |= newer
+            busy = self._current
+            if busy is not None and busy > above:
+                self._fenced.add(busy)
+                newer.add(busy)
+                if self._cancel is not None:
+                    self._cancel.set()
+                while self._current == busy:
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"the upload of step {busy} did not stop within {timeout_s} s")
+                    self._cond.wait(left)
+            self._fenced |= {s for s in self._committed_at if s > above}
+            self._remote_steps = None if self._remote_steps is None else {s for s in self._remote_steps if s <= above}
+            self._replicated = {s for s in self._replicated if s <= above}
+        for s, waiters in dropped:
+            self._resolve(s, waiters, skipped="set aside by a rollback")
+        return sorted(newer)
 
     def forget(self, steps: set[int]) -> None:
         """Stop replicating ``steps`` (set aside by a rollback): waiting handles resolve as dropped."""
         with self._cond:
             dropped = [(s, self._waiting.pop(s, [])) for s in steps]
+            self._failed_steps -= set(steps)
+            self._fenced |= set(steps)
             for s in steps:
-                self._retry_at.pop(s, None)
                 self._replicated.discard(s)
                 if self._remote_steps is not None:
                     self._remote_steps.discard(s)
         for s, waiters in dropped:
             self._resolve(s, waiters, skipped="set aside by a rollback")
 
-    def take_errors(self) -> list[BaseException]:
-        """Errors of failed uploads not yet taken, oldest first (each is returned once)."""
+    def adopt(self) -> None:
+        """This process now continues the remote's run (its identity was adopted): uploads may start."""
         with self._cond:
-            out, self._errors = self._errors, []
+            self._conflict = None
+            self._claimed = self._claim is None
+            self._cond.notify_all()
+
+    def take_errors(self) -> list[BaseException]:
+        """Errors of failed uploads not yet taken, oldest first (each is returned once). An error whose step has
+        been uploaded since, or is no longer owed to the remote (superseded by a durable newer step, set aside by
+        a rollback), no longer applies and is not returned."""
+        with self._cond:
+            out, self._errors = [e for _s, e in self._errors], []
         return out
 
     def health(self) -> Health:
@@ -229,19 +282,28 @@ class Replicator:
             lagging = [s for s in local_steps if remote_step is None or s > remote_step]
             now = self._clock()
             lag_s = max((now - self._committed_at.get(s, now) for s in lagging), default=0.0)
+            fields = self.state.fields()
+            if self._conflict is not None:
+                fields = {**fields, "consecutive_failures": max(1, fields["consecutive_failures"]),
+                          "last_error": str(self._conflict)}
             return Health(
                 local_step=local_steps[-1] if local_steps else None, remote_step=remote_step,
                 remote_configured=True, remote_listed=self._remote_steps is not None,
                 upload_lag_steps=len(lagging), upload_lag_s=lag_s, uploading=self._current,
-                waiting=tuple(sorted(set(self._waiting) | set(self._retry_at))),
-                consecutive_failures=self._failures, failing_since=self._failing_since,
-                last_error=self._last_error, last_error_time=self._last_error_time)
+                waiting=tuple(sorted(set(self._waiting) | self._failed_steps)), **fields)
+
+    def begin_close(self) -> None:
+        """The owner is closing: steps still waiting are tried once while the remote answers; none is tried once
+        it fails (they are reported and stay committed locally), and failed steps are not retried."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the thread after the upload in progress (waiting steps stay committed locally; the next start
         resumes them)."""
         with self._cond:
-            self._closed = True
+            self._closing = self._closed = True
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -295,17 +357,51 @@ class Replicator:
             return
         self._list_remote(resume=True)
         while True:
-            due = self._wait_due()
-            if due is None:
+            job = self._next_job()
+            if job is None:
                 return
+            kind, due = job
             try:
-                self._round(due)
+                if kind == "defer":
+                    self._defer()
+                elif kind == "probe":
+                    self._probe()
+                else:
+                    self._round(due)
             except Exception as exc:  # a bug, or the c10d store gone: logged, and the thread goes on
                 log.exception("tier remote: replication round failed under %s: %s", self.remote.url, exc)
                 time.sleep(1.0)
 
+    def _next_job(self) -> tuple[str, set[int]] | None:
+        """Block until there is something to do: ``("round", due steps)``: the steps saved since the last
+        failure, each tried once as it comes (the newest first), with the failed ones once the remote's backoff
+        has passed; ``("defer", ...)``: the waiting steps are resolved as failed without a try (closing while the
+        remote fails, or the remote belongs to another run); ``("probe", ...)``: the remote failed and nothing is
+        owed to it: list it once its backoff has passed, so that its recovery is seen. None once closed."""
+        with self._cond:
+            while not self._closed:
+                down = self.state.down()
+                if down:
+                    self.state.summary(set(self._waiting) | self._failed_steps)
+                due = down and self.state.due()
+                if self._waiting and (self._conflict is not None or (down and self._closing)):
+                    return "defer", set()
+                if self._closing:  # failed steps stay for the next start or `tierckpt sync`
+                    if self._waiting:
+                        return "round", set(self._waiting)
+                elif self._conflict is None and (self._waiting or (due and self._failed_steps)):
+                    return "round", set(self._waiting) | (self._failed_steps if due else set())
+                elif self._conflict is None and due:
+                    return "probe", set()
+                wake = self.state.wait_s() if down and not self._closing else None
+                self._cond.wait(None if wake is None else min(max(0.01, wake), self.state.summary_s))
+            return None
+
     def _round(self, due: set[int]) -> None:
         """One decision of the leader (or of a single-process job's replicator), carried out."""
+        if not self._claimed and not self._check_claim(max(due)):
+            self._defer()  # the run identity could not be checked: these steps wait for the next try
+            return
         step, dropped, deletes = self._decide(due)
         seq = None
         try:
@@ -317,9 +413,66 @@ class Replicator:
         except BaseException:
             with self._cond:
                 self._current = None  # the step stays waiting or due; retention may consider it again
+                self._cond.notify_all()
             raise
         if step is not None:
             self._attempt(step, seq)
+
+    def _check_claim(self, step: int) -> bool:
+        """Run ``claim()`` before the first upload (shown as the upload of ``step``): True once the remote is this
+        run's. A conflict stops every upload (kept, raised once, shown by health()); a storage failure counts as a
+        failed attempt."""
+        assert self._claim is not None
+        with self._cond:
+            self._current = step
+        try:
+            self._claim()
+        except RunConflictError as exc:
+            with self._cond:
+                self._conflict = exc
+                self._errors.append((None, exc))
+            log.error("tier remote: %s", exc)
+            return False
+        except Exception as exc:
+            self.state.attempt_failed(exc, "checking the run identity")
+            return False
+        finally:
+            with self._cond:
+                self._current = None
+                self._cond.notify_all()
+        with self._cond:
+            self._claimed = True
+        return True
+
+    def _defer(self) -> None:
+        """Resolve the waiting steps as failed without trying them: the remote is failing (they are tried with
+        the failed steps once its backoff has passed) or belongs to another run."""
+        with self._cond:
+            popped, self._waiting = self._waiting, {}
+            conflict = self._conflict
+            if conflict is None:
+                self._failed_steps |= set(popped)
+            last = self.state.fields()["last_error"]
+        if not popped:
+            return
+        errors = {s: conflict or UploadError(
+            f"not uploaded: the remote is failing (last error: {last}); the local copy is kept and the upload is "
+            f"retried once the remote answers (or by `tierckpt sync`)", step=s, tier=self.remote.tier,
+            path=self.remote.url, transient=True) for s in popped}
+        if self._channel is not None:
+            self._publish({"step": None, "fail": [[s, str(e)] for s, e in errors.items()]})
+        log.debug("tier remote: %d steps not tried while %s fails: %s", len(popped), self.remote.url, sorted(popped))
+        for s, waiters in popped.items():
+            self._fail_waiters(s, waiters, errors[s], keep=conflict is None)
+        if conflict is not None and popped:
+            with self._cond:
+                if not any(e is conflict for _s, e in self._errors):
+                    self._errors.append((None, conflict))
+
+    def _probe(self) -> None:
+        """The remote failed and nothing waits for it: list it, so that health() and the listings see it back."""
+        if self._list_remote(resume=False, counts=True):
+            self._recovered()
 
     def _publish(self, decision: dict[str, Any]) -> int:
         """Leader: publish ``decision``; returns its number."""
@@ -367,14 +520,22 @@ class Replicator:
         with self._cond:
             if d.get("remote_newest") is not None:
                 self._remote_steps = (self._remote_steps or set()) | {d["remote_newest"]}
-            dropped = []
+            dropped, failed = [], []
             for s, why in d.get("drop", []):
                 waiters = self._waiting.pop(s, [])
                 if not waiters:
                     self._outcomes[s] = ("dropped", why)
                 dropped.append((s, waiters, why))
+            for s, msg in d.get("fail", []):
+                err = UploadError(msg, step=s, tier=self.remote.tier, path=self.remote.url, transient=True)
+                waiters = self._waiting.pop(s, [])
+                if not waiters:
+                    self._outcomes[s] = ("failed", err)
+                failed.append((s, waiters, err))
         for s, waiters, why in dropped:
             self._resolve(s, waiters, skipped=why)
+        for s, waiters, err in failed:
+            self._fail_waiters(s, waiters, err)
         self._delete_local([(s, why) for s, why in d.get("delete", [])])
         if d.get("step") is not None:
             self._attempt(d["step"], seq)
@@ -408,13 +569,20 @@ class Replicator:
                 except Exception as exc:
                     log.warning("step %d, tier local: deleting it failed under %s: %s", step, self.local.url, exc)
 
-    def _list_remote(self, *, resume: bool) -> bool:
+    def _list_remote(self, *, resume: bool, counts: bool | None = None) -> bool:
+        """List the remote's committed steps (bounded by ``list_deadline_s``). ``counts``: whether a failure
+        counts as a failed attempt of the remote (the start-up listing and probes; default: ``resume``) or only as
+        a failed request (the listing after an upload: uploads work, so the remote is not down)."""
+        counts = resume if counts is None else counts
         try:
             steps = set(with_deadline(lambda: list_root(self.remote).steps, deadline_s=self._list_deadline_s,
                                       what="list", tier=self.remote.tier, url=self.remote.url))
         except Exception as exc:
-            self._failed_streak(exc)
-            log.warning("tier remote: cannot list %s (%s); uploads go on and retry", self.remote.url, exc)
+            if counts:
+                self.state.attempt_failed(exc, "listing")
+            else:
+                self.state.request_failed(exc)
+                log.warning("tier remote: cannot list %s (%s); uploads go on", self.remote.url, exc)
             if resume:
                 self._sort_resumed(set())
             return False
@@ -426,6 +594,7 @@ class Replicator:
             self._remote_steps = steps
             self._replicated |= steps & local  # every local step the remote holds, resumed or not
         if resume:
+            self.state.succeeded()
             self._sort_resumed(steps)
         return True
 
@@ -451,19 +620,6 @@ class Replicator:
         if done:
             self.apply_local_retention()
 
-    def _wait_due(self) -> set[int] | None:
-        """Block until some step may be uploaded; those steps (None once the component closes). Failed steps are
-        due together once the backoff of the remote's failure streak has passed."""
-        with self._cond:
-            while not self._closed:
-                now = self._clock()
-                retry = set(self._retry_at) if any(t <= now for t in self._retry_at.values()) else set()
-                if self._waiting or retry:
-                    return set(self._waiting) | retry
-                wake = min(self._retry_at.values(), default=None)
-                self._cond.wait(None if wake is None else max(0.01, wake - now))
-            return None
-
     def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]], list[list[Any]]]:
         """The step to upload now among ``due``, the steps dropped (with their waiters and why), and (multi-rank:
         the leader decides for every node) the unreplicated local steps to delete. The step chosen becomes the
@@ -474,7 +630,8 @@ class Replicator:
             with self._cond:
                 remote = set(self._remote_steps or ())
                 replicated = set(self._replicated)
-            plan = self.policy.plan_uploads(due, remote=remote, local=local)
+                fenced = due & self._fenced
+            plan = self.policy.plan_uploads(due - fenced, remote=remote, local=local)
             deletes: list[list[Any]] = []
             if self._channel is not None:
                 deletes = [[s, why] for s, why in self.policy.local_deletions(local, replicated=replicated,
@@ -482,80 +639,98 @@ class Replicator:
                            if why != REPLICATED and s != plan.next]
             with self._cond:
                 dropped = []
-                for s, why in plan.dropped:
-                    self._retry_at.pop(s, None)
+                for s, why in [*plan.dropped, *((s, "set aside by a rollback") for s in sorted(fenced))]:
+                    self._failed_steps.discard(s)
                     dropped.append((s, self._waiting.pop(s, []), why))
                 if plan.next is not None:
-                    self._retry_at.pop(plan.next, None)
+                    self._failed_steps.discard(plan.next)
                     self._current = plan.next
         return plan.next, dropped, deletes
 
     def _attempt(self, step: int, seq: int | None = None) -> None:
         """Upload ``step`` (``seq``: the leader's decision it carries out, which names the attempt for every
         rank of a multi-rank job)."""
+        cancel = threading.Event()
         with self._cond:
             waiters = self._waiting.pop(step, [])
             self._current = step
+            self._cancel = cancel
         try:
+            if step in self._fenced:
+                raise UploadError("cancelled: set aside by a rollback", step=step, tier=self.remote.tier,
+                                  path=self.remote.url, transient=False)
             if seq is None:
-                self._upload(step)
+                self._upload(step, cancel=cancel)
             else:
-                self._upload(step, attempt=f"a{seq}")
+                self._upload(step, attempt=f"a{seq}", cancel=cancel)
         except BaseException as exc:
-            self._failed(step, waiters, exc)
+            self._failed(step, waiters, exc, fenced=cancel.is_set())
             return
         with self._cond:
-            self._current = None
+            self._current, self._cancel = None, None
+            self._cond.notify_all()
             self._replicated.add(step)
+            self._forget_errors(step)
             waiters += self._waiting.pop(step, [])  # submitted while the upload ran (a follower's late commit)
             if self._follower and not waiters:
                 self._outcomes[step] = ("uploaded", None)
             if self._remote_steps is not None:
                 self._remote_steps.add(step)
-            self._failures, self._failing_since = 0, None
-            for s in self._retry_at:  # the remote answers again: catch up now, and wait() covers it
-                self._waiting.setdefault(s, []).append(self._own_waiter())
-                log.info("tier remote: retrying the upload of step %d, which failed earlier", s)
-            self._retry_at = {}
+        self._recovered()
         self._apply_remote_retention()
         self.apply_local_retention()
         if self._remote_steps is None and not self._follower:
             self._list_remote(resume=False)
         self._resolve(step, waiters)  # after retention: wait() returns with both tiers trimmed
 
-    def _failed_streak(self, exc: BaseException) -> None:
+    def _recovered(self) -> None:
+        """The remote answered: end the streak and catch the failed steps up now (``wait()`` covers them)."""
+        self.state.succeeded()
         with self._cond:
-            self._failures += 1
-            now = time.time()
-            self._failing_since = self._failing_since or now
-            self._last_error, self._last_error_time = describe(exc) if not isinstance(exc, StorageError) \
-                else str(exc), now
+            if self._follower or self._closing or not self._failed_steps:
+                return
+            for s in sorted(self._failed_steps):
+                self._waiting.setdefault(s, []).append(self._own_waiter())
+            log.info("tier remote: retrying the uploads of steps %s, which failed or waited earlier",
+                     sorted(self._failed_steps))
+            self._failed_steps = set()
+            self._cond.notify_all()
 
-    def _failed(self, step: int, waiters: list[_Waiter], exc: BaseException) -> None:
-        self._failed_streak(exc)
+    def _failed(self, step: int, waiters: list[_Waiter], exc: BaseException, *, fenced: bool = False) -> None:
         gone = isinstance(exc, CheckpointNotFoundError) and exc.tier == self.local.tier
+        permanent = gone or fenced or isinstance(exc, StepConflictError)
+        if not fenced and not permanent:  # a missing local step or another save's remote step: the remote answered
+            self.state.attempt_failed(exc, f"the upload of step {step}")
         with self._cond:
-            self._current = None
+            self._current, self._cancel = None, None
+            self._cond.notify_all()
             waiters = waiters + self._waiting.pop(step, [])  # submitted while the upload ran
             if self._follower and not waiters:
                 self._outcomes[step] = ("failed", exc)
-            if not gone and not self._follower and not self._closed:
-                delay = self.policy.retry_delay(self._failures)
-                self._retry_at[step] = self._clock() + delay
-                log.error("step %d, tier remote: upload to %s failed (the local copy is kept; retry in %.0f s "
-                          "unless a newer step supersedes it): %s", step, self.remote.url, delay, exc)
-            else:
-                log.error("step %d, tier remote: upload to %s failed (the local copy is kept): %s", step,
-                          self.remote.url, exc)
+            if not permanent and not self._follower and not self._closed:
+                self._failed_steps.add(step)
+        if fenced:
+            self._resolve(step, waiters, skipped="set aside by a rollback")
+            return
+        if permanent:
+            log.error("step %d, tier remote: not uploaded to %s (the local copy is kept): %s", step,
+                      self.remote.url, exc)
         # a step committed while this upload ran was kept as the one being uploaded: trim to the bound now, so
         # that wait() returns with the local tier within keep_local + max_upload_backlog
         self.apply_local_retention()
-        self._fail_waiters(waiters, exc)
+        self._fail_waiters(step, waiters, exc)
+        if not self._follower and not permanent:
+            self._defer()  # the steps that waited meanwhile are not tried back to back: see _next_job
 
-    def _fail_waiters(self, waiters: list[_Waiter], exc: BaseException) -> None:
-        if waiters:
+    def _forget_errors(self, step: int) -> None:
+        """Under the lock: ``step``'s errors no longer apply (uploaded, or no longer owed to the remote)."""
+        self._errors = [(s, e) for s, e in self._errors if s != step]
+
+    def _fail_waiters(self, step: int, waiters: list[_Waiter], exc: BaseException, *, keep: bool = True) -> None:
+        if waiters and keep:
             with self._cond:
-                self._errors.append(exc)
+                self._forget_errors(step)  # the newest error of a step stands for it
+                self._errors.append((step, exc))
         for w in waiters:
             if w.handle is not None:
                 w.handle._record.error = str(exc)
@@ -567,6 +742,9 @@ class Replicator:
     def _resolve(self, step: int, waiters: list[_Waiter], *, skipped: str | None = None) -> None:
         if skipped is not None:
             log.info("step %d, tier remote: not uploading it: %s", step, skipped)
+            if not skipped.startswith("deleted"):  # superseded, or set aside: its earlier error no longer applies
+                with self._cond:
+                    self._forget_errors(step)
         for w in waiters:
             h = w.handle
             if h is not None and not h.uploaded.done():

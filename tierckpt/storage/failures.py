@@ -161,12 +161,19 @@ def with_deadline(fn: Callable[[], T], *, deadline_s: float | None, what: str, t
         left = None if end is None else max(0.001, end - clock())
         return bounded(fn, timeout_s=left, what=what, tier=tier, url=url)
 
+    answered: list[BaseException] = []  # the last error the endpoint itself gave (not a wait cut short)
+
     def on_retry(k: int, exc: BaseException, pause: float) -> None:
+        if not isinstance(exc, StorageTimeoutError):
+            answered[:] = [exc]
         log.warning("tier %s: %s %s failed (%s); retry %d in %.1f s", tier, what, url, exc, k, pause)
 
     try:
         return policy.call(attempt, what=f"{what} {url}", deadline=end, on_retry=on_retry, clock=clock)
     except DeadlineExceeded as exc:
         cause = exc.__cause__
-        raise StorageTimeoutError(f"{what}: still failing when its {deadline_s:g} s deadline passed ({cause})",
-                                  tier=tier, path=url, transient=True) from cause
+        if isinstance(cause, StorageTimeoutError) and answered:
+            cause = answered[0]  # the last attempt was only cut short by the deadline: name the real failure
+        cls = StorageUnavailableError if isinstance(cause, StorageUnavailableError) else StorageTimeoutError
+        raise cls(f"{what}: still failing when its {deadline_s:g} s deadline passed ({cause})",
+                  tier=tier, path=url, transient=True) from cause

@@ -81,8 +81,13 @@ class Transfer:
 
     def __init__(self, step: int, remote: Store, retry: RetryPolicy, deadline: float | None,
                  cancel: threading.Event | None, bucket: TokenBucket | None,
-                 progress: Callable[[int], Any] | None, stall_s: float | None = None) -> None:
+                 progress: Callable[[int], Any] | None, stall_s: float | None = None,
+                 on_error: Callable[[BaseException], Any] | None = None) -> None:
         self.step = step
+        #: told of every failed request, retried or not (the remote's health shows it at once)
+        self.on_error = on_error
+        #: the last failed request's error: what a stall or a deadline reports as its cause
+        self.last_error: BaseException | None = None
         #: the step fails once nothing moved (no request ended well) for this long, except while data files are
         #: being sent: there a slow link moves nothing visible for as long as the parts in flight take
         self.stall_s = stall_s
@@ -103,6 +108,15 @@ class Transfer:
             raise Cancelled(f"step {self.step}: cancelled")
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise DeadlineExceeded(f"step {self.step}: deadline reached")
+
+    def failed_request(self, exc: BaseException) -> None:
+        """A request failed (it may be retried): remember it as the likely cause, and tell ``on_error``."""
+        self.last_error = exc
+        if self.on_error is not None:
+            try:
+                self.on_error(exc)
+            except Exception:  # a health hook never fails an upload
+                log.exception("step %d: the request-failure hook raised", self.step)
 
     def moved(self) -> None:
         """Something of the step got through: a request succeeded, a chunk was handed to the store."""
@@ -127,7 +141,8 @@ class Transfer:
         def on_retry(k: int, exc: BaseException, pause: float) -> None:
             with self._lock:
                 self.retries += 1
-            log.warning("step %d, tier %s: %s %s failed (%s: %s); retry %d/%d in %.2fs", self.step, self.remote.tier,
+            self.failed_request(exc)
+            log.info("step %d, tier %s: %s %s failed (%s: %s); retry %d/%d in %.2fs", self.step, self.remote.tier,
                         what, url_of(self.remote, rel), type(exc).__name__, exc, k, self.retry.attempts - 1, pause)
 
         def attempt() -> Any:
@@ -186,7 +201,9 @@ def run_jobs(pool: ThreadPoolExecutor, ctx: Transfer, jobs: list[tuple[str, Call
                     f"step {ctx.step}: deadline reached"))
             if ctx.stalled():  # a silent endpoint: its requests would wait out the backend's timeouts and retries
                 raise TransferFailed(futures[next(iter(pending))], DeadlineExceeded(
-                    f"step {ctx.step}: no progress for {ctx.stall_s:g} s (the remote is silent or stalled)"))
+                    f"step {ctx.step}: no request succeeded for {ctx.stall_s:g} s ("
+                    + (f"last error: {ctx.last_error}" if ctx.last_error is not None
+                       else "no answer: the remote is silent or stalled") + ")"))
     return [f.result() for f in order]
 
 
