@@ -22,7 +22,9 @@ What one DCP save stores (one tierckpt step, saved by ``mgr.save`` on every rank
 
 DCP's meaning of "saved" is tierckpt's ``handle.persisted``: the step committed on the local tier on every rank; the
 upload to the remote tier continues in the background. Loading checks every stored byte against its checksum, and
-falls back to the other tier's copy, then (``step=None``) to an older step; see :class:`StorageReader`.
+falls back to the other tier's copy, then (``step=None``) to an older step; see :class:`StorageReader`. Byte items
+reach DCP's planner (which unpickles them with ``weights_only=False``) only as what ``torch.load(weights_only=True)``
+made of them, unless the reader is built with ``allow_pickle=True`` for a trusted checkpoint.
 
 Requirements: DCP's process group is the manager's world (DCP rank ``r`` is tierckpt rank ``r``: the default
 ``process_group=None``); DCP's ``use_collectives=True`` (the default); the thread async checkpointer (the default).

@@ -1,9 +1,16 @@
-"""The DCP storage reader of :mod:`tierckpt.dcp`."""
+"""The DCP storage reader of :mod:`tierckpt.dcp`.
+
+Byte items: DCP's ``DefaultLoadPlanner.load_bytes`` unpickles them with ``torch.load(weights_only=False)``, and
+tierckpt's checksums are unkeyed (they catch damage, not an attacker who can write a tier), so the reader hands on
+only what torch's weights-only unpickler accepts (:func:`_weights_only`) unless told the checkpoint is trusted
+(``allow_pickle=True``).
+"""
 
 from __future__ import annotations
 
 import io
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,10 +68,19 @@ class StorageReader(_storage.StorageReader):
     a step with no intact copy then fails in ``read_data`` instead of falling back to an older step.
 
     ``read_data`` reads, for each stored rank it needs, exactly the records of its plan (verified), narrows each to
-    the requested box, and copies it into DCP's target; byte items are handed to ``planner.load_bytes``."""
+    the requested box, and copies it into DCP's target; byte items are handed to ``planner.load_bytes``.
+
+    Byte items (DCP's non-tensor values, ``torch.save``d) are unpickled by DCP's default planner with
+    ``weights_only=False``, which runs whatever a pickle names. By default (``allow_pickle=False``) each one is
+    first loaded with ``torch.load(weights_only=True)`` (plain Python values, containers, tensors, dtypes, and
+    what ``torch.serialization.add_safe_globals`` allows), and the planner gets that object saved again by
+    ``torch.save``, never the stored bytes; an item that does not load that way raises :class:`CheckpointError`
+    naming its FQN, the step and the global torch refused, before the planner sees its bytes and before any tensor
+    of the saved rank that holds it is loaded (saved ranks holding byte items are read first). ``allow_pickle=True``
+    hands the stored bytes on as DCP's own reader does: only for checkpoints whose every tier you trust."""
 
     def __init__(self, mgr: CheckpointManager, step: int | None = None, *, source: str = "auto", verify: bool = True,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, allow_pickle: bool = False) -> None:
         super().__init__()
         if source not in ("auto", "local", "remote"):
             raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
@@ -75,6 +91,7 @@ class StorageReader(_storage.StorageReader):
         self.source = source
         self.verify = verify
         self.process_group = process_group
+        self.allow_pickle = allow_pickle
         self.reset()
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -278,15 +295,24 @@ class StorageReader(_storage.StorageReader):
             if rec is None:
                 raise CorruptCheckpointError(f"DCP metadata has no storage for {item.storage_index}", step=choice.step)
             by_rank.setdefault(rec.rank, []).append((item, rec))
-        for rank, items in sorted(by_rank.items()):
+        # saved ranks holding byte items first: a refused one stops the load before most tensors are copied
+        order = sorted(by_rank, key=lambda r: (not any(i.type == LoadItemType.BYTE_IO for i, _ in by_rank[r]), r))
+        for rank in order:
+            items = by_rank[rank]
             values = self._read_rank(choice, rank, {rec.key for _, rec in items})
+            byte_items: dict[str, bytes] = {}  # every byte item of the rank checked before any of its items loads
             for item, rec in items:
-                value = values[rec.key]
                 if item.type == LoadItemType.BYTE_IO:
+                    value = values[rec.key]
                     if not isinstance(value, bytes):
                         raise CorruptCheckpointError(f"{rec.key!r} of rank {rank} is not bytes", step=choice.step)
-                    planner.load_bytes(item, io.BytesIO(value))
+                    byte_items[rec.key] = value if self.allow_pickle else _weights_only(
+                        value, item.storage_index.fqn, rank, choice.step)
+            for item, rec in items:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(byte_items[rec.key]))
                     continue
+                value = values[rec.key]
                 if not isinstance(value, torch.Tensor):
                     raise CorruptCheckpointError(f"{rec.key!r} of rank {rank} is not a tensor", step=choice.step)
                 src = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
@@ -328,3 +354,34 @@ class StorageReader(_storage.StorageReader):
             raise failures[-1]
         raise CheckpointNotFoundError(f"no tier here holds rank {rank}'s shard", step=choice.step)
 
+
+#: torch's line naming what its weights-only unpickler refused (``Unsupported global: GLOBAL builtins.open ...``)
+_REFUSED_RE = re.compile(r"(?:WeightsUnpickler error|Unsupported)[^\n]*")
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _weights_only(data: bytes, fqn: str, rank: int, step: int) -> bytes:
+    """``data`` (a byte item DCP saved with ``torch.save``) loaded by torch's weights-only unpickler and saved again:
+    bytes that hold only what that unpickler allowed, which DCP's planner may then unpickle with
+    ``weights_only=False`` (what the stored bytes name is never passed on, so a difference between the two
+    unpicklers' readings of them cannot matter).
+
+    Raises :class:`CheckpointError` naming ``fqn``, saved rank ``rank`` and ``step`` when the bytes do not load that
+    way: a pickle of a type torch does not allow by default, or one crafted to run code."""
+    try:
+        obj = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal or failure of the weights-only unpickler
+        text = _ANSI_RE.sub("", str(exc))
+        found = _REFUSED_RE.search(text)
+        why = (found.group(0) if found else text.strip().splitlines()[0] if text.strip() else type(exc).__name__)
+        why = why.split(". Please use", 1)[0].rstrip(". ")  # torch's own advice follows ours below
+        log.warning("tierckpt.dcp: step %d: refused byte item %r of saved rank %d: %s", step, fqn, rank, why)
+        raise CheckpointError(
+            f"tierckpt.dcp: byte item {fqn!r} (saved rank {rank}) does not load with torch.load(weights_only=True): "
+            f"{why}. DCP's planner would unpickle it with weights_only=False, running whatever it names, so it is "
+            "not handed on. For a checkpoint whose every tier you trust, load with "
+            "tierckpt.dcp.StorageReader(mgr, allow_pickle=True), or allow its types with "
+            "torch.serialization.add_safe_globals([...])", step=step) from None
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return out.getvalue()
