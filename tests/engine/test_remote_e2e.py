@@ -143,7 +143,8 @@ def test_s3_retention_keep_remote_and_keep_every(tmp_path, s3_server, s3_bucket)
     assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == [layout.step_dir(7)]
     assert where == {3: "remote", 6: "remote", 7: "local+remote"}
     assert all(verify_step(store, s).ok for s in (3, 6, 7))
-    assert not [n for n in store.list("") if layout.parse_step_dir(n) not in (3, 6, 7)]  # nothing half-deleted
+    # nothing half-deleted; besides the steps, the root holds the run's identity
+    assert [n for n in store.list("") if layout.parse_step_dir(n) not in (3, 6, 7)] == [layout.RUN_FILE]
     store.close()
 
 

@@ -203,6 +203,33 @@ def test_read_ahead_over_the_store_reads_every_byte_in_order(store):
 
 
 # --- commit protocols ---------------------------------------------------------------------------------------------
+def test_create_exclusive_writes_once_and_never_replaces(store):
+    """The first create wins and later ones leave its bytes; where the store says ``exclusive_create``, of 8
+    threads racing on an empty name exactly one succeeds."""
+    import threading
+
+    assert store.create_exclusive("id.json", b"first") is True
+    assert store.create_exclusive("id.json", b"second") is False
+    assert store.read_bytes("id.json", max_size=100) == b"first"
+    assert not [n for n in store.list("") if n != "id.json"]  # no temporary left behind
+    if not store.exclusive_create:
+        return
+    won: list[bytes] = []
+    go = threading.Barrier(8)
+
+    def race(i: int) -> None:
+        go.wait()
+        if store.create_exclusive("race.json", b"%d" % i):
+            won.append(b"%d" % i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and store.read_bytes("race.json", max_size=100) == won[0]
+
+
 def test_uncommitted_step_is_never_committed(store):
     built = build_step(7)
     write_step(store, built, commit=False)
