@@ -89,6 +89,7 @@ class BackgroundErrors:
                 return
             first, rest = self._errors[0], self._errors[1:]
             self._errors.clear()
-        if rest:
-            log.error("%d more background checkpoint errors were logged above", len(rest))
+        if rest:  # each was logged where it happened, or (upload errors during an outage) summed up there
+            log.warning("%d more background checkpoint errors are not raised: %s", len(rest),
+                        "; ".join(f"step {getattr(e, 'step', None)}: {type(e).__name__}" for e in rest[:8]))
         raise first

@@ -110,7 +110,7 @@ def list_for_call(eng: Engine, replicator: Replicator | None, tiers: list[Store]
     if down is not None and remote is not None and remote in tiers and len(tiers) > 1:
         rest = list_tiers([t for t in tiers if t is not remote], deadline_s=eng.options.remote_timeout_s)
         if rest.known() if step is None else step in rest.known():
-            return TierListings(rest.steps, {**rest.failed, remote.tier: down})
+            return TierListings(rest.steps, {**rest.failed, remote.tier: down}, known_down=frozenset({remote.tier}))
     listing = list_tiers(tiers, deadline_s=eng.options.remote_timeout_s)
     if state is not None and remote is not None and remote in tiers:
         failed = listing.failed.get(remote.tier)

@@ -3,7 +3,8 @@
 ``TIERCKPT_FAULT=<point>[:<n>]`` in the environment makes the process SIGKILL itself the n-th time (default 1st) it
 reaches ``point``. Points: ``staging``, ``mid-file``, ``before-fsync``, ``after-fsync``, ``before-manifest``,
 ``after-manifest``, ``before-rename``, ``after-rename``, ``mid-upload``, ``before-remote-manifest``,
-``remote-commit`` (rank 0 of a multi-rank job, every shard reported, before ``manifest.json``), ``retention``.
+``remote-commit`` (rank 0 of a multi-rank job, every shard reported, before ``manifest.json``), ``retention``,
+``rollback`` (after each step a rollback set aside).
 Unset (the normal case) it costs one dictionary lookup per point.
 """
 
@@ -15,7 +16,7 @@ import threading
 
 POINTS = (
     "staging", "mid-file", "before-fsync", "after-fsync", "before-manifest", "after-manifest", "before-rename",
-    "after-rename", "mid-upload", "before-remote-manifest", "remote-commit", "retention",
+    "after-rename", "mid-upload", "before-remote-manifest", "remote-commit", "retention", "rollback",
 )
 
 

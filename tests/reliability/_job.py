@@ -1,4 +1,4 @@
-"""A training job in its own process, for the tests of jobs that share a remote (tests/reliability/test_shared_remote.py).
+"""A training job in its own process, for the tests of jobs that share a remote (test_shared_remote.py).
 
 Usage: ``python _job.py SPEC`` where SPEC is JSON: ``local``, ``remote``, ``storage_options``, ``steps`` (saved in
 order, each a state whose values encode the step and ``tag``), ``tag``, ``restore`` (restore first), ``options``

@@ -45,6 +45,8 @@ LOCAL_POINTS = ["staging", "mid-file", "before-fsync", "after-fsync", "before-ma
 REMOTE_ONLY = ["mid-upload", "before-remote-manifest"]
 #: rank 0 of a multi-rank job only: killed there by tests/distributed/test_multi_process.py
 MULTI_RANK_ONLY = ["remote-commit"]
+#: reached by rollback_to only: killed there by tests/reliability/test_rollback_uploads.py
+ROLLBACK_ONLY = ["rollback"]
 #: hit counts guaranteed to be reached within STEPS saves (retention first runs at step 3: keep_local=2)
 MAX_HIT = {"staging": STEPS, "mid-file": STEPS, "before-fsync": 4 * STEPS, "after-fsync": 4 * STEPS,
            "before-manifest": STEPS, "after-manifest": STEPS, "before-rename": STEPS, "after-rename": STEPS,
@@ -224,7 +226,7 @@ def _named_cases() -> list[tuple[str, int, bool]]:
 
 
 def test_fault_points_are_known() -> None:
-    assert set(LOCAL_POINTS + REMOTE_ONLY + MULTI_RANK_ONLY) == set(faults.POINTS)
+    assert set(LOCAL_POINTS + REMOTE_ONLY + MULTI_RANK_ONLY + ROLLBACK_ONLY) == set(faults.POINTS)
     missing = set(faults.POINTS) - WIRED
     assert not missing, f"fault points not wired into the library: {missing}"
 

@@ -32,6 +32,15 @@ def _text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, StorageError) else describe(exc)
 
 
+def _cause(exc: BaseException | None) -> str:
+    """The innermost cause of ``exc`` in one short line (a backend's own error where one is chained)."""
+    seen: set[int] = set()
+    while exc is not None and exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return "?" if exc is None else describe(exc)
+
+
 class RemoteState:
     """The remote's failure streak and backoff; see the module docstring. Thread-safe.
 
@@ -133,7 +142,7 @@ class RemoteState:
             since = time.time() - (self._failing_since or time.time())
             err = StorageUnavailableError(
                 f"known to be failing for {since:.0f} s ({self._failures} failed attempts; last error: "
-                f"{self._last_error}); rechecked in the background", tier="remote", path=self.url,
+                f"{_cause(self._last_exc)}); rechecked in the background", tier="remote", path=self.url,
                 transient=True)
             err.__cause__ = self._last_exc
             return err
@@ -147,7 +156,7 @@ class RemoteState:
                 return
             self._last_summary = now
             lasted = now - (self._down_since or now)
-            attempts, err, nxt = self._failures, self._last_error, max(0.0, self._next_try - now)
+            attempts, err, nxt = self._failures, _cause(self._last_exc), max(0.0, self._next_try - now)
         shown = sorted(waiting)
         log.warning("tier remote: %s failing for %.0f s (%d failed attempts; last error: %s); %d steps kept locally "
                     "wait for it%s; next try in %.0f s", self.url, lasted, attempts, err, len(shown),

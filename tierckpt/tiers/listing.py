@@ -120,6 +120,8 @@ class TierListings:
 
     steps: dict[str, set[int]]
     failed: dict[str, StorageError]
+    #: tiers of ``failed`` not asked this time: known to be failing, and reported as such already (logged at DEBUG)
+    known_down: frozenset[str] = frozenset()
 
     def known(self) -> set[int]:
         """Every step committed in a tier that answered."""
@@ -140,8 +142,9 @@ class TierListings:
                                "would start from scratch); retry when the tier is reachable, or restore with "
                                "source= naming a tier that answers", step=step, tier="+".join(self.failed),
                                path=urls if first.path is None else first.path, transient=first.transient)
-        log.warning("restore: tier %s could not be listed; going on with the tiers that answered (%s)", names,
-                    ", ".join(sorted(self.steps)))
+        log.log(logging.DEBUG if set(self.failed) <= self.known_down else logging.WARNING,
+                "tier %s could not be listed; going on with the tiers that answered (%s)", names,
+                ", ".join(sorted(self.steps)))
 
 
 def list_tiers(tiers: list[Store], *, deadline_s: float | None) -> TierListings:

@@ -39,6 +39,7 @@ def set_aside(store: Store, step: int) -> None:
         store.remove(manifest)
     log.warning("step %d, tier %s: set aside at %s/%s (rollback): no longer a checkpoint, data kept", step,
                 store.tier, store.url, folder)
+    faults.point("rollback")
 
 
 def delete_step(store: Store, step: int) -> None:

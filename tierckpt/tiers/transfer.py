@@ -200,10 +200,12 @@ def run_jobs(pool: ThreadPoolExecutor, ctx: Transfer, jobs: list[tuple[str, Call
                 raise TransferFailed(futures[next(iter(pending))], DeadlineExceeded(
                     f"step {ctx.step}: deadline reached"))
             if ctx.stalled():  # a silent endpoint: its requests would wait out the backend's timeouts and retries
-                raise TransferFailed(futures[next(iter(pending))], DeadlineExceeded(
+                stall = DeadlineExceeded(
                     f"step {ctx.step}: no request succeeded for {ctx.stall_s:g} s ("
                     + (f"last error: {ctx.last_error}" if ctx.last_error is not None
-                       else "no answer: the remote is silent or stalled") + ")"))
+                       else "no answer: the remote is silent or stalled") + ")")
+                stall.__cause__ = ctx.last_error  # the refused or failing request is the cause, if there was one
+                raise TransferFailed(futures[next(iter(pending))], stall)
     return [f.result() for f in order]
 
 

@@ -275,5 +275,5 @@ def _fail(ctx: Transfer, protocol: Any, local: Store, remote: Store, staging: st
     else:
         why = f"{type(exc).__name__}: {exc}" + ("" if is_transient(exc) else " (not retried)")
     url = url_of(remote, rel)
-    log.error("step %d, tier %s: replication failed at %s: %s", step, remote.tier, url, why)
+    log.info("step %d, tier %s: replication failed at %s: %s", step, remote.tier, url, why)  # the caller reports it
     return UploadError(f"cannot replicate to {remote.url}: {why} ({url})", step=step, tier=remote.tier, path=url)
