@@ -28,6 +28,12 @@ in every tier; the callback keeps it and adds ``checkpoint/stall_s``, ``checkpoi
 ``checkpoint/upload_lag_steps`` and ``checkpoint/step`` (the save they belong to) to the next logs HF writes (see
 :meth:`TieredCheckpointCallback.checkpoint_logs`), so they land in ``log_history`` next to the loss.
 
+End of training: ``on_train_end`` closes the manager. Every save is committed locally, then the uploads are waited
+for while the remote answers; during an outage that takes about one failed upload attempt (bounded by
+``remote_timeout_s`` / ``upload_deadline_s``), the steps the remote lacks are logged as an error, kept locally (the
+next start uploads them, or ``tierckpt sync``) and listed in ``final_health``, and ``train()`` returns normally,
+unless ``strict_uploads=True``, which raises the :class:`~tierckpt.errors.UploadError`.
+
 Not covered: DeepSpeed and FSDP trainers (their checkpoints are sharded by their own engines; ``prepare_resume``
 refuses them), SageMaker model parallel and XLA/TPU RNG states.
 """
@@ -53,6 +59,7 @@ from transformers import TrainerCallback
 from .errors import CheckpointNotFoundError
 from .handle import SaveRecord
 from .manager import CheckpointManager
+from .replication import Health
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +104,21 @@ class TieredCheckpointCallback(TrainerCallback):
         local_dir / remote: the manager's tiers.
         save_steps: save every this many optimizer steps (None: ``args.save_steps``, as HF resolves it; a ratio
             below 1 is a fraction of ``max_steps``). The last step of a run is saved too.
+        strict_uploads: whether an upload error at the end of training (:meth:`close`, called from
+            ``on_train_end``) is raised from ``trainer.train()``. False (the default): training finishes; the steps
+            the remote lacks are logged as an error, kept locally (the next start uploads them, or
+            ``tierckpt sync``) and listed in :attr:`final_health`. True: ``train()`` raises the first
+            :class:`~tierckpt.errors.UploadError` (every step is committed locally all the same). A
+            :class:`~tierckpt.errors.RunConflictError` is always raised.
         **manager_options: any other :class:`~tierckpt.CheckpointManager` keyword (``keep_local``,
             ``keep_remote``, ``storage_options``, ...).
 
     Attributes:
         last_handle: the :class:`~tierckpt.SaveHandle` of the newest save (``persisted``/``uploaded`` futures).
         resumed_step / resumed_tier: what :meth:`prepare_resume` loaded (None before, or on a fresh start).
+        final_health: the manager's :meth:`~tierckpt.CheckpointManager.health` when :meth:`close` closed it (None
+            before): ``waiting`` holds the committed steps the remote lacked, ``last_error`` the remote's last
+            error, ``ok`` False when it was failing then.
 
     Logs: each resolved save's seconds and the upload lag are added to the next logs HF writes
     (:meth:`checkpoint_logs`). With :func:`train` (or :meth:`prepare_resume`) the callback knows the trainer and
@@ -111,19 +127,26 @@ class TieredCheckpointCallback(TrainerCallback):
     callbacks after this one see (the ``report_to`` integrations, registered before it, do not see them).
 
     Switch HF's own synchronous checkpoints off (``TrainingArguments(save_strategy="no")``); the callback warns
-    once when they are on. At the end of training the manager is closed: that waits until every save is durable
-    on every tier. Resume with :func:`train` (or :meth:`prepare_resume`).
+    once when they are on. At the end of training the manager is closed (:meth:`close`): every save is committed
+    locally and the uploads are waited for while the remote answers; during an outage the end of training takes
+    about one failed upload attempt, not more (see ``strict_uploads``). Resume with :func:`train` (or
+    :meth:`prepare_resume`).
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], remote: str | os.PathLike[str] | None = None, *,
-                 save_steps: int | float | None = None, **manager_options: Any) -> None:
+                 save_steps: int | float | None = None, strict_uploads: bool = False,
+                 **manager_options: Any) -> None:
         if save_steps is not None and not save_steps > 0:
             raise ValueError(f"save_steps must be positive, got {save_steps!r}")
+        if not isinstance(strict_uploads, bool):
+            raise TypeError(f"strict_uploads must be a bool, got {strict_uploads!r}")
         self.local_dir = local_dir
         self.remote = remote
         self.save_steps = save_steps
+        self.strict_uploads = strict_uploads
         self.manager_options = manager_options
         self.last_handle = None
+        self.final_health: Health | None = None
         self.resumed_step: int | None = None
         self.resumed_tier: str | None = None
         self._manager: CheckpointManager | None = None
@@ -193,11 +216,23 @@ class TieredCheckpointCallback(TrainerCallback):
         trainer.__dict__["_tierckpt_log"] = self
 
     def close(self) -> None:
-        """Wait until every save is durable on every tier, release the local folder, remove the resume folder."""
+        """Close the manager (a later use opens it again) and remove the resume folder: every save is committed
+        locally, the uploads are waited for while the remote answers (once it fails, after at most about one upload
+        attempt, the steps it lacks are logged as an error and kept locally), the folder is released, and
+        :attr:`final_health` is set.
+
+        Raises:
+            UploadError: with ``strict_uploads=True``, an upload failed (the steps stay committed locally).
+            RunConflictError: the remote holds another run's checkpoints (whatever ``strict_uploads``).
+            CheckpointError: a local save failed.
+        """
         mgr, self._manager = self._manager, None
         try:
             if mgr is not None:
-                mgr.close()
+                try:
+                    mgr.close(raise_upload_errors=self.strict_uploads)
+                finally:
+                    self.final_health = _health_after_close(mgr)
         finally:
             if self._resume_dir is not None:
                 shutil.rmtree(self._resume_dir, ignore_errors=True)
@@ -393,6 +428,14 @@ class TieredCheckpointCallback(TrainerCallback):
         self._flush(args, state, kwargs)
         self._loaded = None
         self.close()
+
+
+def _health_after_close(mgr: CheckpointManager) -> Health | None:
+    try:
+        return mgr.health()
+    except Exception as exc:  # never mask what close() raised
+        log.warning("tierckpt.hf: the manager's health after closing it is not known: %s", exc)
+        return None
 
 
 def _find_callback(trainer: Any) -> TieredCheckpointCallback:

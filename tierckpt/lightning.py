@@ -48,6 +48,13 @@ Logging: the plug-in keeps each save's :class:`~tierckpt.handle.SaveRecord` (the
 the save is resolved in every tier); add :class:`TieredCheckpointLogger` to the Trainer's callbacks and it logs
 ``checkpoint/stall_s``, ``checkpoint/persist_s``, ``checkpoint/upload_s`` and ``checkpoint/upload_lag_steps``
 through the Trainer's loggers, from the training thread, at the step each record belongs to.
+
+End of the run: Lightning calls :meth:`TieredCheckpointIO.teardown` as ``fit`` ends, which closes the manager:
+every save is committed locally, then the uploads are waited for while the remote answers. During an outage that
+takes about one failed upload attempt (bounded by ``remote_timeout_s`` / ``upload_deadline_s``); the steps the
+remote lacks are logged as an error, kept locally (the next start uploads them, or ``tierckpt sync``) and listed in
+``final_health``, and ``fit`` returns normally, unless ``strict_uploads=True``, which raises the
+:class:`~tierckpt.errors.UploadError`.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from . import readonly
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RollbackError
 from .handle import SaveRecord
 from .manager import CheckpointManager
+from .replication import Health
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -117,14 +125,28 @@ class TieredCheckpointIO(CheckpointIO):
         local_dir, remote, **manager_options: as :class:`~tierckpt.CheckpointManager`; the manager is created on
             first use (and again after :meth:`teardown`). ``rank`` / ``world_size`` default to 0 / 1: Lightning
             saves from global rank 0 only.
+        strict_uploads: whether an upload error at the end of the run (:meth:`teardown`, which Lightning calls as
+            ``fit`` ends) is raised from ``fit``. False (the default): the run finishes; the steps the remote lacks
+            are logged as an error, kept locally (the next start uploads them, or ``tierckpt sync``) and listed in
+            :attr:`final_health`. True: ``fit`` raises the first :class:`~tierckpt.errors.UploadError` (every
+            step is committed locally all the same). A :class:`~tierckpt.errors.RunConflictError` is always raised.
+
+    Attributes:
+        final_health: the manager's :meth:`~tierckpt.CheckpointManager.health` when :meth:`teardown` closed it
+            (None before): ``waiting`` holds the committed steps the remote lacked, ``last_error`` the remote's last
+            error, ``ok`` False when it was failing then.
     """
 
-    def __init__(self, local_dir: str | os.PathLike[str], remote: str | os.PathLike[str] | None = None,
-                 **manager_options: Any) -> None:
+    def __init__(self, local_dir: str | os.PathLike[str], remote: str | os.PathLike[str] | None = None, *,
+                 strict_uploads: bool = False, **manager_options: Any) -> None:
         super().__init__()
+        if not isinstance(strict_uploads, bool):
+            raise TypeError(f"strict_uploads must be a bool, got {strict_uploads!r}")
         self.local_dir = os.fspath(local_dir)
         self.remote = None if remote is None else os.fspath(remote) if isinstance(remote, os.PathLike) else remote
+        self.strict_uploads = strict_uploads
         self.manager_options = dict(manager_options)
+        self.final_health: Health | None = None
         self._mgr: CheckpointManager | None = None
         self._paths: dict[str, int] = {}  # path -> step, saved by this process
         self._last: tuple[int, dict] | None = None  # (step, copy of the callbacks state of its first save)
@@ -342,13 +364,22 @@ class TieredCheckpointIO(CheckpointIO):
             fs.rm(path, recursive=True)
 
     def teardown(self) -> None:
-        """Wait until every save is durable on every tier and release the folder (a later use opens it again)."""
+        """Close the manager (a later use opens it again): every save is committed locally, the uploads are waited
+        for while the remote answers (once it fails, after at most about one upload attempt, the steps it lacks are
+        logged as an error and kept locally), the folder is released, and :attr:`final_health` is set.
+
+        Raises:
+            UploadError: with ``strict_uploads=True``, an upload failed (the steps stay committed locally).
+            RunConflictError: the remote holds another run's checkpoints (whatever ``strict_uploads``).
+            CheckpointError: a local save failed.
+        """
         mgr, self._mgr = self._mgr, None
         self._last = None
         if mgr is not None:
             try:
-                mgr.close()
+                mgr.close(raise_upload_errors=self.strict_uploads)
             finally:
+                self.final_health = _health_after_close(mgr)
                 with self._records_cond:
                     self._unresolved.clear()
                     self._early.clear()
@@ -441,6 +472,14 @@ class TieredCheckpointLogger(Callback):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def _health_after_close(mgr: CheckpointManager) -> Health | None:
+    try:
+        return mgr.health()
+    except Exception as exc:  # never mask what close() raised
+        log.warning("TieredCheckpointIO: the manager's health after closing it is not known: %s", exc)
+        return None
+
+
 def _norm(path: Any) -> str:
     path = os.fspath(path)
     return path if "://" in path else os.path.normpath(path)

@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from tierckpt import UploadError  # noqa: E402
 from tierckpt import hf as tierhf  # noqa: E402
 from tierckpt.testing import refused_url  # noqa: E402
 
@@ -114,8 +113,8 @@ def test_a_failed_upload_logs_stall_and_lag_without_upload_seconds(tmp_path: Pat
         storage_options={"client_kwargs": {"endpoint_url": refused_url()}, "key": "k", "secret": "s"})
     trainer = make_trainer(tmp_path, cb, max_steps=3)
     # (not tierhf.train: its resume would refuse to start while the remote cannot be listed)
-    with pytest.raises(UploadError):  # closing the manager at the end of training re-raises the upload error
-        trainer.train()
+    trainer.train()  # closing the manager at the end of training logs the upload error (strict_uploads=False)
+    assert cb.final_health is not None and not cb.final_health.ok and 2 in cb.final_health.waiting
     logged = [e for e in trainer.state.log_history if "checkpoint/stall_s" in e]
     assert [(e["step"], e["checkpoint/step"]) for e in logged] == [(3, 2)]
     assert logged[0]["checkpoint/persist_s"] > 0

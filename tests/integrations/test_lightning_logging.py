@@ -16,7 +16,6 @@ L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
-from tierckpt import UploadError  # noqa: E402
 from tierckpt.handle import SaveRecord  # noqa: E402
 from tierckpt.lightning import TieredCheckpointIO, TieredCheckpointLogger  # noqa: E402
 from tierckpt.testing import refused_url  # noqa: E402
@@ -100,8 +99,10 @@ def test_a_failed_upload_logs_stall_and_persist_without_upload_seconds(tmp_path:
                             storage_options={"client_kwargs": {"endpoint_url": refused_url()}, "key": "k",
                                              "secret": "s"})
     logger = ThreadSpy(str(tmp_path / "logs"), name="run")
-    with caplog.at_level(logging.ERROR), pytest.raises(UploadError):  # the plug-in's teardown re-raises it
+    with caplog.at_level(logging.ERROR):  # the teardown logs the step the remote lacks; fit finishes
         fit(tmp_path, io, [TieredCheckpointLogger()], max_steps=3, every=3, logger=logger)
+    assert "1 committed steps are not on" in caplog.text
+    assert io.final_health is not None and io.final_health.waiting == (3,)
     logger.save()
     got = [r for r in rows(logger) if r.get("checkpoint/stall_s")]
     assert [int(r["step"]) for r in got] == [3]
