@@ -7,9 +7,11 @@ this rank's shard not held there) is logged with the files at fault and the next
 tried. A key that the step does not hold is not corruption: it raises at once.
 
 Reading: every record the result needs is read straight into the tensor or array that is returned, allocated
-for it once the files' sizes on the store match the manifest (so a damaged manifest cannot make this allocate more
-than the files hold). A data file is read whole by the restore's reader (:func:`.tiers.reader.read_file_into`, which
-checks the file's checksum) where it is compressed (decompressed into a scratch buffer of its size, copied out once
+for it once the files' sizes on the store match the manifest, the records wanted from each file are known not to
+overlap, and a file whose size is not backed by stored bytes (a sparse file) has matched its checksum
+(:mod:`.tiers.backing`): so a damaged manifest cannot make this allocate more than the files hold. A data file
+is read whole by the restore's reader (:func:`.tiers.reader.read_file_into`, which checks the file's checksum)
+where it is compressed (decompressed into a scratch buffer of its size, copied out once
 verified), or where it lies on a local path and every tensor in it is wanted (read scattered into the tensors;
 only the header lands in a scratch buffer whose other pages are never touched). Otherwise only the byte ranges of
 the wanted tensors are read, adjacent ones together (one vectored read, or one ranged request of an object store,
@@ -45,6 +47,7 @@ from .snapshot.loaded import byte_view
 from .snapshot.staging import aligned_empty
 from .storage.base import Store, join
 from .storage.readahead import ReadAhead
+from .tiers.backing import prove_backed
 from .tiers.listing import TierListings, first_intact
 from .tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
 from .tiers.stream import ends_early_error
@@ -189,8 +192,11 @@ def read_records(eng: Readers, store: Store, rm: RankManifest, wanted: set[int])
     for i in sorted(wanted, key=lambda i: (recs[i].file, recs[i].offset)):
         if recs[i].nbytes:
             by_file.setdefault(recs[i].file, []).append(recs[i])
-    # the sizes on the store match the manifest's before anything of those sizes is allocated
+    # nothing is allocated before: the records' ranges in each file are disjoint, so they add up to at most the file;
+    # the sizes on the store match the manifest's; and a file whose size is not backed by data matched its checksum
+    _check_disjoint(store, rm, by_file)
     check_sizes(store, dataclasses.replace(rm, files=tuple(rm.files[f] for f in by_file)))
+    prove_backed(store, rm, by_file)
     values = {i: _empty(recs[i]) for i in wanted}
     dests = {i: _bytes_of(values[i]) for i in wanted if recs[i].nbytes}
     in_file = [0] * len(rm.files)
@@ -205,6 +211,19 @@ def read_records(eng: Readers, store: Store, rm: RankManifest, wanted: set[int])
             jobs += [partial(_read_run, store, rm, index, run, dests) for run in _runs(file_recs)]
     run_all(eng.io, lambda job: job(), jobs)
     return values
+
+
+def _check_disjoint(store: Store, rm: RankManifest, by_file: dict[int, list[TensorRecord]]) -> None:
+    """:class:`CorruptCheckpointError` when two records of one file (each list sorted by offset) share bytes: every
+    byte of a data file belongs to one record (tied tensors are one record referenced twice), and records over the
+    same bytes would make a load allocate them again and again."""
+    for index, file_recs in by_file.items():
+        for prev, rec in zip(file_recs, file_recs[1:]):
+            if rec.offset < prev.offset + prev.nbytes:
+                name = rm.files[index].name
+                raise CorruptCheckpointError(f"tensors {prev.path} and {rec.path} overlap in {name}", step=rm.step,
+                                             tier=store.tier, bad_files=[name],
+                                             path=f"{store.url}/{join(layout.step_dir(rm.step), name)}")
 
 
 def _empty(rec: TensorRecord) -> Value:

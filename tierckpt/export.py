@@ -30,6 +30,7 @@ earlier export are removed, so ``from_pretrained`` cannot pick up a mix).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -53,8 +54,9 @@ from .snapshot.loaded import byte_view
 from .storage.base import Store
 from .storage.files import write_all, write_replace
 from .storage.open import is_url, open_store
+from .tiers.backing import prove_backed
 from .tiers.listing import first_intact, list_tiers
-from .tiers.reader import read_ranks, read_step
+from .tiers.reader import check_sizes, read_ranks, read_step
 
 log = logging.getLogger(__name__)
 
@@ -241,46 +243,55 @@ def _load_copy(reader: Reader, store: Store, step: int, key: str) -> Any:
 def _assemble(reader: Reader, store: Store, rms: list[Any], paths: set[str], *, step: int,
               where: str) -> dict[str, torch.Tensor]:
     """The global tensor of every distributed-tensor key path of ``paths``, assembled from every rank's shard
-    records (read one rank at a time, verified); the shards must tile each tensor exactly."""
-    out: dict[str, torch.Tensor] = {}
+    records (read one rank at a time, verified); the shards must tile each tensor exactly.
+
+    Nothing is allocated before every rank's records agree on each tensor's global shape and dtype, lie inside it
+    and hold exactly its number of elements, and the files they are read from have their recorded sizes, backed by
+    stored bytes (:func:`.tiers.backing.prove_backed`): a global tensor is then no larger than the shards that the
+    files really hold."""
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     covered: dict[str, int] = {}
     for rm in rms:
         for rec in rm.tensors:
             if rec.shard is None or rec.path not in paths:
                 continue
             gshape = tuple(int(n) for n in rec.shard["global_shape"])
-            if rec.path not in out:
+            if rec.path not in shapes:
                 if rec.dtype not in CODE_TO_TORCH:
                     raise CorruptCheckpointError(f"distributed tensor {rec.path} has dtype {rec.dtype}, not a "
                                                  "torch dtype", step=step, tier=store.tier, path=where)
-                out[rec.path] = torch.empty(gshape, dtype=CODE_TO_TORCH[rec.dtype])
+                shapes[rec.path] = (gshape, CODE_TO_TORCH[rec.dtype])
                 covered[rec.path] = 0
-            t = out[rec.path]
             offset = tuple(int(n) for n in rec.shard["offset"])
-            if (gshape != tuple(t.shape) or CODE_TO_TORCH.get(rec.dtype) != t.dtype or len(offset) != t.dim()
-                    or len(rec.shape) != t.dim()
+            if ((gshape, CODE_TO_TORCH.get(rec.dtype)) != shapes[rec.path] or len(offset) != len(gshape)
+                    or len(rec.shape) != len(gshape)
                     or any(o < 0 or o + n > g for o, n, g in zip(offset, rec.shape, gshape))):
                 raise CorruptCheckpointError(f"saved shards of {rec.path} disagree on the global shape or dtype, or "
                                              "lie outside it", step=step, tier=store.tier, path=where)
             covered[rec.path] += math.prod(rec.shape)
     for p in paths:
-        if p not in out:
+        if p not in shapes:
             raise CorruptCheckpointError(f"no rank stored a shard of the distributed tensor {p}", step=step,
                                          tier=store.tier, path=where)
-    for rm in rms:
-        mine = {rec.index for rec in rm.tensors if rec.shard is not None and rec.path in out}
-        if not mine:
+    for p, (gshape, _) in shapes.items():
+        if covered[p] != math.prod(gshape):  # shards that overlap, or leave a gap (replicated ones are stored once)
+            raise CorruptCheckpointError(f"saved shards of {p} hold {covered[p]} elements of its {math.prod(gshape)}",
+                                         step=step, tier=store.tier, path=where)
+    mine = [{rec.index for rec in rm.tensors if rec.shard is not None and rec.path in shapes} for rm in rms]
+    for rm, indices in zip(rms, mine):
+        held = sorted({rm.tensors[i].file for i in indices if rm.tensors[i].nbytes})
+        check_sizes(store, dataclasses.replace(rm, files=tuple(rm.files[f] for f in held)))
+        prove_backed(store, rm, held)
+    out = {p: torch.empty(gshape, dtype=dtype) for p, (gshape, dtype) in shapes.items()}
+    for rm, indices in zip(rms, mine):
+        if not indices:
             continue
-        shards = _load.read_records(reader, store, rm, mine)
-        for i in sorted(mine):
+        shards = _load.read_records(reader, store, rm, indices)
+        for i in sorted(indices):
             rec = rm.tensors[i]
             box = tuple(slice(o, o + n) for o, n in zip(rec.shard["offset"], rec.shape))
             out[rec.path][box].copy_(shards.pop(i))
         del shards
-    for p, t in out.items():
-        if covered[p] != t.numel():  # shards that overlap, or leave a gap (replicated ones are stored once)
-            raise CorruptCheckpointError(f"saved shards of {p} hold {covered[p]} elements of its {t.numel()}",
-                                         step=step, tier=store.tier, path=where)
     return out
 
 

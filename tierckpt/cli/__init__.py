@@ -7,7 +7,8 @@ maps what a command raises to its exit code. None of it imports torch but ``expo
 Exit codes (every command):
 
 - 0 (``EXIT_OK``): success, everything checked is intact;
-- 1 (``EXIT_BAD``): corruption found (``verify``, ``pull``, ``prune``) or an operation failed (an upload, a deletion);
+- 1 (``EXIT_BAD``): corruption found (``verify``, ``pull``, ``prune``) or an operation failed (an upload, a deletion,
+  one that ran out of memory: one line, never a traceback);
 - 2 (``EXIT_USAGE``): a usage error, or nothing found (no such folder, step or checkpoint);
 - 3 (``EXIT_UNAVAILABLE``): could not check or act: the storage is unreachable, silent past ``--timeout``,
   denies access, or the root is in use by a live job (a running ``CheckpointManager`` or ``tierckpt pull``).
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD
     except KeyboardInterrupt:
         return 130
+    except MemoryError:  # a manifest's parse is corruption already; anything else this large is no crash either
+        say(args, f"tierckpt {args.cmd}: ran out of memory ({target_url(args)})")
+        return EXIT_BAD
     except Exception as exc:
         if not backend_failure(exc):
             raise

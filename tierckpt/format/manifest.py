@@ -10,7 +10,12 @@ Two kinds, both JSON (never pickle), both carrying a checksum of their own canon
   checksum. Writing it is the commit: it is always the last file written in a step folder.
 
 Parsing trusts nothing: every field is type-checked, every file name must be one safe path component, every byte
-range must lie inside its file, and every size is checked before anything of that size is allocated.
+range must lie inside its file, and every size is checked before anything of that size is allocated. Memory is
+bounded per byte of a manifest: no manifest is read past :data:`MAX_MANIFEST_BYTES`, one whose parse would take more
+than :data:`.checks.JSON_MEMORY_PER_BYTE` bytes per byte is refused before it is parsed
+(:func:`.checks.check_json_memory`), and a parse that runs out of memory all the same is reported as corruption,
+so a reader falls back to another copy. Saves refuse to write what readers would refuse to read
+(:func:`check_writable`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 from .._version import __version__
 from ..errors import CorruptCheckpointError
 from . import hashing
-from .checks import check_shape, unique_keys
+from .checks import JSON_MEMORY_PER_BYTE, check_json_memory, check_shape, json_memory_estimate, unique_keys
 from .dtypes import ITEMSIZE
 from .layout import check_file_name
 from .shards import MeshIndex
@@ -41,8 +46,10 @@ from .tensors import (
 
 FORMAT = "tierckpt"
 FORMAT_VERSION = 2
-#: No manifest is read if larger than this (bytes).
-MAX_MANIFEST_BYTES = 256 << 20
+#: No manifest is read (or written) if larger than this (bytes). Saves write about 250 bytes per tensor record (400
+#: with a DTensor shard's description) and its key path in the tree: this holds some 300,000 sharded records per
+#: rank (a 600-layer-equivalent MoE with unfused experts and Adam states), and parses in under 1 GiB.
+MAX_MANIFEST_BYTES = 128 << 20
 #: bounds of a rank's mesh index (:mod:`.shards`): the meshes its shards lie on, and their dimensions
 MAX_MESHES = 64
 MAX_MESH_DIMS = 16
@@ -87,7 +94,7 @@ class RankManifest:
         d["tensors"] = encode_table(self.tensors)
         d["format"] = FORMAT + ".rank"
         d["format_version"] = FORMAT_VERSION
-        return _seal(d)
+        return check_writable(_seal(d), "rank manifest", self.step)
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, step: int | None = None, path: str | None = None,
@@ -95,6 +102,13 @@ class RankManifest:
         """Parse and check a rank manifest. ``digest_verified``: the caller matched these exact bytes against the
         digest its step manifest records, so the embedded checksum (a second, slower check of the same bytes:
         re-encoding 10,000 tensor records costs tens of ms) is skipped; every field is still checked."""
+        try:
+            return cls._parse(raw, step=step, path=path, digest_verified=digest_verified)
+        except MemoryError:
+            raise _out_of_memory(raw, step, path) from None
+
+    @classmethod
+    def _parse(cls, raw: bytes, *, step: int | None, path: str | None, digest_verified: bool) -> RankManifest:
         d = _unseal(raw, FORMAT + ".rank", step=step, path=path, check=not digest_verified)
         g = _Getter(d, step, path)
         files = []
@@ -258,10 +272,19 @@ class StepManifest:
         d["ranks"] = [r.to_json() for r in self.ranks]
         d["format"] = FORMAT + ".step"
         d["format_version"] = FORMAT_VERSION
-        return _seal(d)
+        return check_writable(_seal(d), "step manifest", self.step)
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, step: int | None = None, path: str | None = None) -> StepManifest:
+        """Parse and check a step manifest (its embedded checksum included); :class:`CorruptCheckpointError` for
+        anything amiss, a parse that runs out of memory included."""
+        try:
+            return cls._parse(raw, step=step, path=path)
+        except MemoryError:
+            raise _out_of_memory(raw, step, path) from None
+
+    @classmethod
+    def _parse(cls, raw: bytes, *, step: int | None, path: str | None) -> StepManifest:
         d = _unseal(raw, FORMAT + ".step", step=step, path=path)
         g = _Getter(d, step, path)
         world = g.int("world_size")
@@ -362,9 +385,33 @@ def _seal(d: dict[str, Any]) -> bytes:
     return b'{"checksum":"' + checksum.encode() + b'",' + canon[1:]
 
 
+def check_writable(raw: bytes, what: str, step: int) -> bytes:
+    """``raw``, a manifest about to be written, if a reader will read it (its size and its parse's memory within
+    the bounds :func:`_unseal` enforces); else ``ValueError`` saying why, so that a save fails instead of
+    committing a step no restore can read."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"step {step}: the {what} would be {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} a "
+                         "reader accepts: the state holds too many tensors or too large plain Python values for one "
+                         "rank (store large lists as tensors or numpy arrays)")
+    try:
+        check_json_memory(raw, f"the {what}")
+    except CorruptCheckpointError as exc:
+        raise ValueError(f"step {step}: {exc.detail}; a reader would refuse it: the state's plain Python values are "
+                         "too many small ones (store large lists as tensors or numpy arrays)") from None
+    return raw
+
+
+def _out_of_memory(raw: bytes, step: int | None, path: str | None) -> CorruptCheckpointError:
+    need = json_memory_estimate(raw)
+    return CorruptCheckpointError(f"manifest of {len(raw)} bytes could not be parsed in the memory available "
+                                  f"(estimated {need >> 20} MiB, {need / max(len(raw), 1):.0f} bytes per byte; at most "
+                                  f"{JSON_MEMORY_PER_BYTE} are allowed)", step=step, path=path)
+
+
 def _unseal(raw: bytes, kind: str, *, step: int | None, path: str | None, check: bool = True) -> dict[str, Any]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"manifest larger than {MAX_MANIFEST_BYTES} bytes", step=step, path=path)
+    check_json_memory(raw, "manifest", step=step, path=path)
     try:
         d = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

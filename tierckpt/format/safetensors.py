@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
-from .checks import check_shape, unique_keys
+from .checks import check_json_memory, check_shape, unique_keys
 from .dtypes import ITEMSIZE
 
 ALIGN = 4096
@@ -63,11 +63,14 @@ def parse_header_length(prefix: bytes, file_size: int, *, where: str = "") -> in
 
 
 def parse_header(raw: bytes, data_size: int, *, where: str = "") -> tuple[dict[str, HeaderEntry], dict[str, str]]:
-    """Parse and check a header: known dtypes, sane shapes, offsets that tile ``[0, data_size)`` exactly."""
+    """Parse and check a header: known dtypes, sane shapes, offsets that tile ``[0, data_size)`` exactly. A header
+    whose parse would take more than :data:`.checks.JSON_MEMORY_PER_BYTE` bytes per byte is refused before it is
+    parsed, and one that runs out of memory all the same is corrupt too."""
+    check_json_memory(raw, f"safetensors header{where}")
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"unreadable safetensors header{where}: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+        raise CorruptCheckpointError(f"unreadable safetensors header{where}: {exc or type(exc).__name__}") from None
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"safetensors header is not an object{where}")
     meta = obj.pop("__metadata__", {}) or {}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import logging
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..format import layout
 from ..format.manifest import MAX_MANIFEST_BYTES, StepManifest
 from .base import Store, join
@@ -63,6 +63,11 @@ def read_step_manifest(store: Store, folder: str, step: int | None) -> StepManif
         raw = store.read_bytes(rel, max_size=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
+    except StorageError:
+        raise  # the store could not be read: that says nothing about the checkpoint
+    except (CheckpointError, MemoryError) as exc:  # larger than any manifest may be
+        raise CorruptCheckpointError(f"step manifest unreadable: {exc}", step=step, tier=store.tier,
+                                     path=f"{store.url}/{rel}", bad_files=[layout.STEP_MANIFEST]) from None
     return StepManifest.from_bytes(raw, step=step, path=f"{store.url}/{rel}")
 
 

@@ -1,8 +1,10 @@
 """Reading a committed step back: manifests first, then every byte verified as it is read.
 
 Invariants:
-- nothing is allocated before the files' real sizes (from the store) match the sizes the manifest claims, so a
-  hostile or damaged manifest cannot make us allocate more than what is actually on disk;
+- nothing is allocated before the files' real sizes (from the store) match the sizes the manifest claims, and a
+  file whose size is not backed by stored bytes (a sparse file, a zstd bomb) matched its checksum, streamed through
+  bounded buffers (:mod:`.backing`): a hostile or damaged manifest cannot make us allocate more than what is
+  actually on disk;
 - every byte that :func:`load_rank` hands back has been hashed and matched against the manifest; any mismatch raises
   :class:`CorruptCheckpointError` naming the step, tier, file and tensor, before the caller touches its state;
 - all paths come from :func:`tierckpt.format.layout.check_file_name`-checked names joined under the step folder;
@@ -46,6 +48,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.readahead import ReadAhead, each
+from .backing import prove_backed
 from .bounce import BounceBuffers
 from .stream import FileStream, ends_early_error
 from .stream import fetch_file as fetch_file  # the names below are part of this module's interface too
@@ -488,6 +491,7 @@ def start_load(
     """:func:`load_files`, returning as soon as the sizes are checked, the buffer allocated and the reads queued.
     ``undo``: a guarded restore (see :func:`read_file_into` and :mod:`.undo`)."""
     check_sizes(store, rm)
+    prove_backed(store, rm, range(len(rm.files)))
     offsets, total = buffer_layout(rm)
     buf = alloc(total)
     views = tuple(buf[o : o + f.size] for o, f in zip(offsets, rm.files))
