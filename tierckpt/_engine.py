@@ -49,6 +49,8 @@ class Engine:
         self.identity: RunIdentity | None = None
         #: a restore read a step from the remote: this job continues the remote's run (its identity is adopted)
         self.continues_remote = False
+        #: the remote's run identity as last read (None: not read yet, or none recorded)
+        self.remote_run: RunIdentity | None = None
 
     def close(self) -> None:
         """Drop the bounce buffers (their memory is unmapped with them)."""

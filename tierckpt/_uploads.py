@@ -78,23 +78,36 @@ def claim_remote(eng: Engine) -> None:
                 return True
         return False
 
+    assert eng.identity is not None
+    mine = eng.identity
     ident = with_deadline(
-        lambda: identity.check_remote(remote, eng.identity, local_url=local.url,
+        lambda: identity.check_remote(remote, mine, local_url=local.url,
                                       adopt_theirs=eng.options.continue_remote_run or eng.continues_remote,
                                       shares_saves=shares_saves),
         deadline_s=eng.options.remote_timeout_s, what="check the run identity of", tier=remote.tier, url=remote.url)
-    if ident != eng.identity:
+    if ident != mine:
         identity.adopt(local, ident)
         eng.identity = ident
+    eng.remote_run = ident
 
 
 def note_restored(eng: Engine, replicator: Replicator | None, step: int | None, listing: TierListings) -> None:
     """A restore or load returned ``step``: if it came from the remote (the local tier does not hold it), this job
     continues the remote's run, and uploads may claim it (see :mod:`tierckpt.tiers.identity`)."""
-    if replicator is None or step is None or step in listing.steps.get(eng.local.tier, set()):
+    if replicator is None or eng.remote is None or step is None or step in listing.steps.get(eng.local.tier, set()):
         return
-    if step in listing.steps.get("remote", set()) and not eng.continues_remote:
+    if step in listing.steps.get(eng.remote.tier, set()) and not eng.continues_remote:
         eng.continues_remote = True
+        remote = eng.remote
+        try:  # recorded locally now, so that a restart before the first upload continues the same run
+            theirs = with_deadline(lambda: identity.read(remote), deadline_s=eng.options.remote_timeout_s,
+                                   what="read the run identity of", tier=remote.tier, url=remote.url)
+        except Exception as exc:  # the check before the first upload adopts it then
+            log.warning("tier remote: cannot read the run identity of %s: %s", remote.url, exc)
+            theirs = None
+        if theirs is not None and theirs != eng.identity:
+            identity.adopt(eng.local, theirs)
+            eng.identity = eng.remote_run = theirs
         replicator.adopt()
 
 
@@ -118,7 +131,33 @@ def list_for_call(eng: Engine, replicator: Replicator | None, tiers: list[Store]
             state.succeeded()
         else:
             state.attempt_failed(failed, "listing")
+    if remote is not None and len(tiers) > 1 and listing.steps.get(remote.tier) and listing.steps.get(eng.local.tier):
+        theirs = _foreign_run(eng)
+        if theirs is not None:  # this job has checkpoints of its own: never resume another run's by accident
+            log.warning("tier remote: %s holds the checkpoints of another %s; this job's local folder %s holds "
+                        "its own, so they are restored from it alone (restore(source='remote') or "
+                        "continue_remote_run=True continue the other run)", remote.url, theirs.describe(),
+                        eng.local.url)
+            return TierListings({t: s for t, s in listing.steps.items() if t != remote.tier}, listing.failed)
     return listing
+
+
+def _foreign_run(eng: Engine) -> identity.RunIdentity | None:
+    """The remote's run identity if it is another run's that this job does not continue on purpose (read once,
+    within ``remote_timeout_s``; None when it cannot be read: the listing that just succeeded decides)."""
+    if eng.options.continue_remote_run or eng.continues_remote or eng.remote is None:
+        return None
+    if eng.remote_run is None:
+        remote = eng.remote
+        try:
+            eng.remote_run = with_deadline(lambda: identity.read(remote), deadline_s=eng.options.remote_timeout_s,
+                                           what="read the run identity of", tier=remote.tier, url=remote.url)
+        except Exception as exc:
+            log.warning("tier remote: cannot read the run identity of %s: %s", remote.url, exc)
+            return None
+    theirs = eng.remote_run
+    return theirs if theirs is not None and eng.identity is not None and theirs.run_id != eng.identity.run_id \
+        else None
 
 
 def steps(eng: Engine, replicator: Replicator | None) -> list[StepInfo]:

@@ -463,7 +463,9 @@ class CheckpointManager:
         listing = _uploads.list_for_call(self._engine, self._replicator, tiers, step)  # each rank on its own
         listing.require(step, ", ".join(t.url for t in tiers))
         with _gc.paused():
-            return _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
+            out = _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
+        _uploads.note_restored(self._engine, self._replicator, out.step, listing)
+        return out
 
     def _read_tiers(self, step: int | None, source: str) -> list[Store]:
         """The tiers a restore or load of ``step`` from ``source`` reads, once the saves made so far committed

@@ -102,6 +102,22 @@ def test_a_job_that_restores_from_the_remote_continues_its_run(tmp_path, job_a) 
     assert identity.read(LocalStore(tmp_path / "node2")) == a_run == _remote_identity(url, opts)
 
 
+def test_a_job_with_checkpoints_of_its_own_never_resumes_the_other_run(tmp_path, job_a) -> None:
+    """Job B saved 10 and 20 (not uploaded: A's remote) and restarts: restore() gives B's step 20, not A's newer
+    step 30 from the shared remote, and latest_step() says 20; restore(source="remote") is the way to A's."""
+    url, opts, a_ids = job_a
+    out = _job({"local": str(tmp_path / "b"), "remote": url, "storage_options": opts, "steps": [10, 20],
+                "tag": 0.5})
+    assert out["error"][0] == "RunConflictError"
+    with CheckpointManager(tmp_path / "b", remote=url, storage_options=opts) as mgr:
+        s = _state(-1, 0)
+        assert mgr.restore(s) == 20 and float(s["w"][0]) == 20.5
+        assert mgr.latest_step() == 20
+        s = _state(-1, 0)
+        assert mgr.restore(s, source="remote") == 30 and float(s["w"][0]) == 30.25
+    assert _save_ids(url, opts) == a_ids
+
+
 def test_continue_remote_run_adopts_the_remote_run_without_a_restore(tmp_path, job_a) -> None:
     url, opts, a_ids = job_a
     a_run = identity.read(LocalStore(tmp_path / "a"))
