@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from . import _sharded
 from .errors import RunConflictError, StorageError
 from .format import layout
+from .replication.health import Health
 from .status import StepInfo, list_steps
 from .storage.base import Store
 from .storage.commit import read_step_manifest
@@ -96,6 +97,8 @@ def note_restored(eng: Engine, replicator: Replicator | None, step: int | None, 
     continues the remote's run, and uploads may claim it (see :mod:`tierckpt.tiers.identity`)."""
     if replicator is None or eng.remote is None or step is None or step in listing.steps.get(eng.local.tier, set()):
         return
+    if eng.coord is not None and eng.coord.topology.rank != 0:
+        return  # rank 0 checks and claims the remote for the job
     if step in listing.steps.get(eng.remote.tier, set()) and not eng.continues_remote:
         eng.continues_remote = True
         remote = eng.remote
@@ -184,6 +187,16 @@ def steps(eng: Engine, replicator: Replicator | None) -> list[StepInfo]:
         TierListings({"local": set(list_root(eng.local).steps)}, {"remote": down}).require(
             None, remote.url if remote is not None else eng.local.url)
     return list_steps(eng.local, None, failed, waiting, remote_configured=configured)
+
+
+def health(eng: Engine, replicator: Replicator | None) -> Health:
+    """``CheckpointManager.health()``: the replicator's view, or the local tier's alone without a remote."""
+    if replicator is not None:
+        return replicator.health()
+    steps = sorted(list_root(eng.local).steps)
+    return Health(local_step=steps[-1] if steps else None, remote_step=None, remote_configured=False,
+                  remote_listed=False, upload_lag_steps=0, upload_lag_s=0.0, uploading=None, waiting=(),
+                  consecutive_failures=0, failing_since=None, last_error=None, last_error_time=None)
 
 
 # ------------------------------------------------------------------------------------------------ closing

@@ -318,12 +318,7 @@ class CheckpointManager:
         """Where both tiers stand: newest committed step per tier, upload lag in steps and seconds, the step being
         uploaded and those waiting, and the remote's failure streak with its last error. Cheap (one listing of the
         local folder, no remote request): meant for logs, dashboards and a training loop's periodic check."""
-        if self._replicator is not None:
-            return self._replicator.health()
-        steps = sorted(list_root(self.local).steps)
-        return Health(local_step=steps[-1] if steps else None, remote_step=None, remote_configured=False,
-                      remote_listed=False, upload_lag_steps=0, upload_lag_s=0.0, uploading=None, waiting=(),
-                      consecutive_failures=0, failing_since=None, last_error=None, last_error_time=None)
+        return _uploads.health(self._engine, self._replicator)
 
     # ------------------------------------------------------------------------------------------------ policy
     def install_signal_handlers(self, signals=DEFAULT_SIGNALS) -> None:

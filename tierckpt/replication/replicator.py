@@ -3,22 +3,32 @@
 Order of calls: construct; :meth:`Replicator.start` once (the thread lists the remote and resumes what earlier runs
 left unreplicated: no remote I/O on the caller's thread); :meth:`Replicator.submit` for each step committed
 locally, from any thread; :meth:`Replicator.apply_local_retention`, :meth:`Replicator.health`,
-:meth:`Replicator.waiting`, :meth:`Replicator.take_errors` at any time; :meth:`Replicator.close` once.
+:meth:`Replicator.waiting`, :meth:`Replicator.take_errors` at any time; :meth:`Replicator.fence` before a rollback
+sets steps aside, :meth:`Replicator.adopt` once the job continues the remote's run; :meth:`Replicator.begin_close`
+then :meth:`Replicator.close` once.
 
 Invariants:
 
 - a failing remote never costs a local checkpoint: the thread only reads the local tier, and local retention
   deletes a step only as :meth:`~tierckpt.replication.policy.ReplicationPolicy.local_deletions` allows (never one
-  of the newest ``keep_local``; an unreplicated one only when superseded or past the backlog, logged);
+  of the newest ``keep_local``; an unreplicated one only when superseded or past the backlog, logged:
+  :mod:`.trimming`);
+- nothing is uploaded before ``claim()`` found the remote to be this run's (:mod:`tierckpt.tiers.identity`);
 - the newest wanted step is uploaded first; waiting steps that the remote's retention would not keep, or whose
   local copy is gone, are dropped (their handles resolve with None and the record says why);
-- a failed upload resolves its handle with the error once (``wait()``/``close()`` re-raise it) and is tried again
-  after a backoff while it is still wanted; a success ends the failure streak;
+- the remote has one failure streak and backoff (:class:`~tierckpt.replication.remote_state.RemoteState`): each
+  new save is tried once, the steps that waited while a try failed are resolved as failed without one, and the
+  failed steps are tried again together once the backoff has passed, or at once after a success; an error is
+  raised by ``wait()``/``close()`` once and only while it applies (not after its step was uploaded or superseded);
+- once closing, no step is tried after the remote fails, and failed steps are left for the next start;
+- after :meth:`Replicator.fence`, no upload of a step it dropped starts or commits (the one in progress is
+  cancelled and waited for);
 - every piece of state is under one lock; the thread is the only one that uploads or deletes remote steps;
 - in a multi-rank job (an :class:`UploadChannel`) every rank uploads the same steps in the same order: rank 0's
-  replicator (the leader) decides as above and publishes each decision (the step to upload, the steps dropped, the
-  unreplicated local steps to delete); the others (followers) apply the decisions in order and decide nothing by
-  themselves. So every node's local tier is bounded the same way, and no rank waits for a shard another skipped.
+  replicator (the leader) decides as above and publishes each decision (the step to upload, the steps dropped or
+  failed without a try, the unreplicated local steps to delete); the others (followers, :mod:`.follower`) apply
+  the decisions in order and decide nothing by themselves. So every node's local tier is bounded the same way, and
+  no rank waits for a shard another skipped.
 """
 
 from __future__ import annotations
@@ -29,65 +39,21 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..errors import CheckpointNotFoundError, RunConflictError, StepConflictError, UploadError
 from ..storage.base import Store
 from ..storage.failures import with_deadline
 from ..tiers.listing import list_root
-from ..tiers.steps import delete_step
-from .policy import OVER_BACKLOG, REPLICATED, SUPERSEDED, ReplicationPolicy
+from .follower import Follower
+from .health import Health, UploadChannel
+from .policy import REPLICATED, ReplicationPolicy
 from .remote_state import RemoteState
+from .trimming import Trimming
+
+__all__ = ["Health", "Replicator", "UploadChannel"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Health:
-    """A view of both tiers for operators and dashboards (:meth:`CheckpointManager.health`).
-
-    ``local_step`` / ``remote_step``: newest step committed in each tier, as this manager knows it (the remote's
-    from its last successful listing or upload; None if none, or not known yet: see ``remote_listed``).
-    ``upload_lag_steps``: committed local steps newer than ``remote_step``; ``upload_lag_s``: seconds since the
-    oldest of them was committed locally (0 when none). ``uploading`` / ``waiting``: the step being uploaded and
-    those queued. ``consecutive_failures`` / ``failing_since`` (``time.time()``) / ``last_error`` /
-    ``last_error_time``: the remote's current failure streak and its last error (kept after the streak ends)."""
-
-    local_step: int | None
-    remote_step: int | None
-    remote_configured: bool
-    remote_listed: bool
-    upload_lag_steps: int
-    upload_lag_s: float
-    uploading: int | None
-    waiting: tuple[int, ...]
-    consecutive_failures: int
-    failing_since: float | None
-    last_error: str | None
-    last_error_time: float | None
-
-    @property
-    def ok(self) -> bool:
-        """True unless the remote tier is failing now."""
-        return self.consecutive_failures == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (``waiting`` as a list), with ``ok``."""
-        return {**self.__dict__, "waiting": list(self.waiting), "ok": self.ok}
-
-
-class UploadChannel(Protocol):
-    """How the ranks of a multi-rank job share the leader's replication decisions (the c10d store in
-    :mod:`tierckpt.distributed`). Decisions are small JSON-able dicts, numbered from 0 without gaps."""
-
-    #: True on the rank that decides (rank 0)
-    leader: bool
-
-    def publish(self, seq: int, decision: dict[str, Any]) -> None:
-        """Leader: make decision ``seq`` visible to every follower."""
-
-    def receive(self, seq: int, timeout_s: float) -> dict[str, Any] | None:
-        """Follower: decision ``seq``, or None if it did not come within ``timeout_s``."""
 
 
 @dataclass
@@ -96,7 +62,7 @@ class _Waiter:
     done: Future
 
 
-class Replicator:
+class Replicator(Trimming, Follower):
     """See the module docstring. ``upload(step, cancel=event)`` replicates one committed local step (raises on
     failure; stops soon after ``event`` is set; in a multi-rank job it is called with ``attempt=name`` too, the same
     name on every rank); ``resume`` are the committed local steps found at start-up (uploaded if the remote lacks
@@ -308,48 +274,6 @@ class Replicator:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    # ----------------------------------------------------------------------------------------------- retention
-    def apply_local_retention(self) -> None:
-        """Delete the local steps :meth:`ReplicationPolicy.local_deletions` allows (see the module docstring)."""
-        if not self._local_retention:
-            return
-        with self._retention_lock:
-            try:
-                local = list(list_root(self.local).steps)
-                with self._cond:
-                    replicated = set(self._replicated)
-                    remote = set(self._remote_steps or ())
-                    current = self._current
-                for step, why in self.policy.local_deletions(local, replicated=replicated, remote=remote):
-                    if why != REPLICATED and (self._channel is not None or step == current):
-                        continue  # multi-rank: unreplicated steps go only when the leader's decision says so
-                    self._log_deletion(step, why)
-                    delete_step(self.local, step)
-            except Exception as exc:
-                log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
-
-    def _log_deletion(self, step: int, why: str) -> None:
-        if why == OVER_BACKLOG:
-            log.warning("step %d, tier local: deleting it although the remote does not hold it: more than "
-                        "max_upload_backlog=%d older steps are waiting for the remote (%s)", step,
-                        self.policy.max_backlog, self.local.url)
-        elif why == SUPERSEDED:
-            log.info("step %d, tier local: deleting it unreplicated: superseded by newer steps, the remote's "
-                     "retention would not keep it (%s)", step, self.local.url)
-
-    def _apply_remote_retention(self) -> None:
-        if not self._remote_retention:
-            return
-        try:
-            steps = set(list_root(self.remote).steps)
-            keep = self.policy.remote_keeps(steps)
-            for step in sorted(steps - keep):
-                delete_step(self.remote, step)
-            with self._cond:
-                self._remote_steps = set(keep)
-        except Exception as exc:
-            log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
-
     # ----------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
         if self._follower:
@@ -459,8 +383,10 @@ class Replicator:
             f"not uploaded: the remote is failing (last error: {last}); the local copy is kept and the upload is "
             f"retried once the remote answers (or by `tierckpt sync`)", step=s, tier=self.remote.tier,
             path=self.remote.url, transient=True) for s in popped}
-        if self._channel is not None:
-            self._publish({"step": None, "fail": [[s, str(e)] for s, e in errors.items()]})
+        if self._channel is not None:  # the followers fail theirs; every node's local tier stays bounded meanwhile
+            deletes = self._owed_deletions()
+            self._publish({"step": None, "fail": [[s, str(e)] for s, e in errors.items()], "delete": deletes})
+            self._delete_local(deletes)
         log.debug("tier remote: %d steps not tried while %s fails: %s", len(popped), self.remote.url, sorted(popped))
         for s, waiters in popped.items():
             self._fail_waiters(s, waiters, errors[s], keep=conflict is None)
@@ -484,68 +410,6 @@ class Replicator:
         self._channel.publish(seq, decision)
         return seq
 
-    def _follow(self) -> None:
-        """A follower's thread: apply the leader's decisions in order until the component closes."""
-        assert self._channel is not None
-        while True:
-            decision = None
-            while decision is None:
-                with self._cond:
-                    if self._closed:
-                        return
-                    seq = self._seq
-                decision = self._channel.receive(seq, 0.5)
-            with self._cond:
-                self._seq += 1
-            try:
-                self._apply(decision, seq)
-            except Exception as exc:  # a bug: logged, and the next decision is applied
-                log.exception("tier remote: applying replication decision %d failed: %s", seq, exc)
-
-    def _apply(self, d: dict[str, Any], seq: int) -> None:
-        """A follower applies one decision of the leader (see :meth:`_run` and :meth:`_sort_resumed`)."""
-        if "resumed_done" in d:  # the start-up decision: what the remote holds, which resumed steps are done
-            remote = None if d.get("remote") is None else set(d["remote"])
-            local = self._local_steps()
-            with self._cond:
-                if remote is not None:
-                    self._remote_steps = remote
-                    self._replicated |= remote & local
-                done = [(s, self._waiting.pop(s, [])) for s in d["resumed_done"]]
-                self._replicated |= {s for s, _ in done}
-            for s, waiters in done:
-                self._resolve(s, waiters)
-            self.apply_local_retention()
-            return
-        with self._cond:
-            if d.get("remote_newest") is not None:
-                self._remote_steps = (self._remote_steps or set()) | {d["remote_newest"]}
-            dropped, failed = [], []
-            for s, why in d.get("drop", []):
-                waiters = self._waiting.pop(s, [])
-                if not waiters:
-                    self._outcomes[s] = ("dropped", why)
-                dropped.append((s, waiters, why))
-            for s, msg in d.get("fail", []):
-                err = UploadError(msg, step=s, tier=self.remote.tier, path=self.remote.url, transient=True)
-                waiters = self._waiting.pop(s, [])
-                if not waiters:
-                    self._outcomes[s] = ("failed", err)
-                failed.append((s, waiters, err))
-        for s, waiters, why in dropped:
-            self._resolve(s, waiters, skipped=why)
-        for s, waiters, err in failed:
-            self._fail_waiters(s, waiters, err)
-        self._delete_local([(s, why) for s, why in d.get("delete", [])])
-        if d.get("step") is not None:
-            self._attempt(d["step"], seq)
-        self._trim_outcomes()
-
-    def _trim_outcomes(self, keep: int = 1024) -> None:
-        with self._cond:
-            for s in sorted(self._outcomes)[:-keep]:
-                del self._outcomes[s]
-
     def _local_steps(self) -> set[int]:
         try:
             return set(list_root(self.local).steps)
@@ -553,21 +417,6 @@ class Replicator:
             log.warning("tier local: cannot list %s: %s", self.local.url, exc)
             with self._cond:
                 return set(self._committed_at)
-
-    def _delete_local(self, deletes: list[tuple[int, str]] | list[list[Any]]) -> None:
-        """Delete unreplicated local steps a decision gave up on (logged); this node's leader only."""
-        if not deletes or not self._local_retention:
-            return
-        with self._retention_lock:
-            local = self._local_steps()
-            for step, why in deletes:
-                if step not in local or step == self._current:
-                    continue
-                self._log_deletion(step, why)
-                try:
-                    delete_step(self.local, step)
-                except Exception as exc:
-                    log.warning("step %d, tier local: deleting it failed under %s: %s", step, self.local.url, exc)
 
     def _list_remote(self, *, resume: bool, counts: bool | None = None) -> bool:
         """List the remote's committed steps (bounded by ``list_deadline_s``). ``counts``: whether a failure
@@ -632,11 +481,7 @@ class Replicator:
                 replicated = set(self._replicated)
                 fenced = due & self._fenced
             plan = self.policy.plan_uploads(due - fenced, remote=remote, local=local)
-            deletes: list[list[Any]] = []
-            if self._channel is not None:
-                deletes = [[s, why] for s, why in self.policy.local_deletions(local, replicated=replicated,
-                                                                               remote=remote)
-                           if why != REPLICATED and s != plan.next]
+            deletes = self._owed_deletions(local, replicated, remote, keep=plan.next)
             with self._cond:
                 dropped = []
                 for s, why in [*plan.dropped, *((s, "set aside by a rollback") for s in sorted(fenced))]:
@@ -646,6 +491,20 @@ class Replicator:
                     self._failed_steps.discard(plan.next)
                     self._current = plan.next
         return plan.next, dropped, deletes
+
+    def _owed_deletions(self, local: set[int] | None = None, replicated: set[int] | None = None,
+                        remote: set[int] | None = None, *, keep: int | None = None) -> list[list[Any]]:
+        """Multi-rank leader: the unreplicated local steps the policy gives up on (past the backlog, superseded),
+        which every node deletes when the decision says so; none in one process (its retention does it)."""
+        if self._channel is None:
+            return []
+        if local is None:
+            local = self._local_steps()
+        with self._cond:
+            replicated = set(self._replicated) if replicated is None else replicated
+            remote = set(self._remote_steps or ()) if remote is None else remote
+        return [[s, why] for s, why in self.policy.local_deletions(local, replicated=replicated, remote=remote)
+                if why != REPLICATED and s != keep]
 
     def _attempt(self, step: int, seq: int | None = None) -> None:
         """Upload ``step`` (``seq``: the leader's decision it carries out, which names the attempt for every
