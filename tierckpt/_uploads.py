@@ -85,7 +85,8 @@ def claim_remote(eng: Engine) -> None:
         lambda: identity.check_remote(remote, mine, local_url=local.url,
                                       adopt_theirs=eng.options.continue_remote_run or eng.continues_remote,
                                       shares_saves=shares_saves),
-        deadline_s=eng.options.remote_timeout_s, what="check the run identity of", tier=remote.tier, url=remote.url)
+        deadline_s=eng.options.remote_timeout_s, what="check the run identity of", tier=remote.tier, url=remote.url,
+        diagnose=remote.diagnose)
     if ident != mine:
         identity.adopt(local, ident)
         eng.identity = ident
@@ -104,7 +105,8 @@ def note_restored(eng: Engine, replicator: Replicator | None, step: int | None, 
         remote = eng.remote
         try:  # recorded locally now, so that a restart before the first upload continues the same run
             theirs = with_deadline(lambda: identity.read(remote), deadline_s=eng.options.remote_timeout_s,
-                                   what="read the run identity of", tier=remote.tier, url=remote.url)
+                                   what="read the run identity of", tier=remote.tier, url=remote.url,
+                                   diagnose=remote.diagnose)
         except Exception as exc:  # the check before the first upload adopts it then
             log.warning("tier remote: cannot read the run identity of %s: %s", remote.url, exc)
             theirs = None
@@ -154,7 +156,8 @@ def _foreign_run(eng: Engine) -> identity.RunIdentity | None:
         remote = eng.remote
         try:
             eng.remote_run = with_deadline(lambda: identity.read(remote), deadline_s=eng.options.remote_timeout_s,
-                                           what="read the run identity of", tier=remote.tier, url=remote.url)
+                                           what="read the run identity of", tier=remote.tier, url=remote.url,
+                                   diagnose=remote.diagnose)
         except Exception as exc:
             log.warning("tier remote: cannot read the run identity of %s: %s", remote.url, exc)
             return None

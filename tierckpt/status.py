@@ -50,6 +50,7 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
     rem: dict[int, str] = {}
     if remote is not None:
         rem = with_deadline(lambda: list_root(remote).steps, deadline_s=remote_deadline_s, what="list",
+                            diagnose=remote.diagnose,
                             tier=remote.tier, url=remote.url)
     steps = sorted(set(loc) | set(rem))
 

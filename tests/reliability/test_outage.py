@@ -196,10 +196,30 @@ def test_status_is_right_from_the_first_failed_request(tmp_path, remote, proxy) 
 
 
 def test_a_refused_remote_is_named_as_refused_not_silent(tmp_path, remote, proxy) -> None:
-    """A replaced node (nothing local) during an outage: the StorageError names the refused connection."""
-    with _manager(tmp_path / "a", remote) as mgr:
+    """A replaced node (nothing local) during an outage: the StorageError names the refused connection, also when
+    the backend's own retries make the last try outlast the deadline (botocore's default retries here)."""
+    url, opts = remote
+    opts = {k: v for k, v in opts.items() if k != "config_kwargs"}
+    with _manager(tmp_path / "a", (url, opts)) as mgr:
         mgr.save(1, _state(1))
     proxy.set_mode("refuse")
-    with _manager(tmp_path / "wiped", remote) as mgr, pytest.raises(StorageError) as ei:
+    with _manager(tmp_path / "wiped", (url, opts)) as mgr, pytest.raises(StorageError) as ei:
         mgr.restore(_empty())
-    assert "silent" not in str(ei.value) and "Could not connect" in str(ei.value), ei.value
+    msg = str(ei.value)
+    assert "silent" not in msg and ("Could not connect" in msg or "Connection refused" in msg), msg
+
+
+def test_a_store_tells_a_refused_endpoint_from_a_silent_one(remote, proxy) -> None:
+    """What a deadline's message says comes from ``Store.diagnose()``: refused, or not (silent, or answering)."""
+    from tierckpt.storage.open import open_store
+
+    store = open_store(remote[0], storage_options=remote[1], tier="remote")
+    try:
+        assert store.diagnose() is None
+        proxy.set_mode("refuse")
+        assert isinstance(store.diagnose(), ConnectionRefusedError)
+        proxy.set_mode("silent")
+        assert store.diagnose() is None
+    finally:
+        proxy.set_mode("forward")
+        store.close()

@@ -145,7 +145,7 @@ def bounded(args: argparse.Namespace, store: Store, what: str, fn: Callable[[], 
     if deadline is None:
         with translated(what, tier=store.tier, url=store.url):
             return fn()
-    return with_deadline(fn, deadline_s=deadline, what=what, tier=store.tier, url=store.url)
+    return with_deadline(fn, deadline_s=deadline, what=what, tier=store.tier, url=store.url, diagnose=store.diagnose)
 
 
 def bounded_list_root(args: argparse.Namespace, store: Store) -> Any:

@@ -425,6 +425,7 @@ class Replicator(Trimming, Follower):
         counts = resume if counts is None else counts
         try:
             steps = set(with_deadline(lambda: list_root(self.remote).steps, deadline_s=self._list_deadline_s,
+                                      diagnose=self.remote.diagnose,
                                       what="list", tier=self.remote.tier, url=self.remote.url))
         except Exception as exc:
             if counts:

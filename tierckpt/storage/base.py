@@ -224,5 +224,10 @@ class Store(abc.ABC):
         leftover from an upload in progress. The default, for stores that cannot be walked, is empty."""
         return {}
 
+    def diagnose(self) -> BaseException | None:
+        """Why a request that did not answer in time failed, where the store can tell (its endpoint refuses
+        connections, its name does not resolve), or None: called only after a deadline passed."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads."""

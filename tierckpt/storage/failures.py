@@ -117,11 +117,14 @@ def translated(op: str, *, tier: str, url: str, step: int | None = None) -> Iter
         raise err from exc
 
 
-def bounded(fn: Callable[[], T], *, timeout_s: float | None, what: str, tier: str, url: str) -> T:
+def bounded(fn: Callable[[], T], *, timeout_s: float | None, what: str, tier: str, url: str,
+            diagnose: Callable[[], BaseException | None] | None = None) -> T:
     """``fn()``, but return or raise within ``timeout_s`` seconds (None: wait as long as it takes, on this thread).
 
     ``fn`` runs on a daemon thread; at the deadline :class:`StorageTimeoutError` is raised and the thread is left
-    to end on its own (see the module docstring). Exceptions of ``fn`` are re-raised translated."""
+    to end on its own (see the module docstring). Exceptions of ``fn`` are re-raised translated. ``diagnose()``
+    (a store's :meth:`~tierckpt.storage.base.Store.diagnose`) says at the deadline why no answer came, where it can
+    tell: a refused connection is then a :class:`StorageUnavailableError` naming it, not a silent endpoint."""
     if timeout_s is None:
         with translated(what, tier=tier, url=url):
             return fn()
@@ -138,6 +141,10 @@ def bounded(fn: Callable[[], T], *, timeout_s: float | None, what: str, tier: st
 
     threading.Thread(target=run, name="tierckpt-bounded", daemon=True).start()
     if not done.wait(timeout_s):
+        why = None if diagnose is None else diagnose()
+        if why is not None:  # the backend is still retrying an error it has not handed back yet
+            raise StorageUnavailableError(f"{what}: no answer within {timeout_s:g} s ({describe(why)})", tier=tier,
+                                          path=url, transient=True) from why
         raise StorageTimeoutError(f"{what}: no answer within {timeout_s:g} s (endpoint silent or very slow)",
                                   tier=tier, path=url, transient=True)
     ok, value = box[0]
@@ -150,7 +157,8 @@ def bounded(fn: Callable[[], T], *, timeout_s: float | None, what: str, tier: st
 
 
 def with_deadline(fn: Callable[[], T], *, deadline_s: float | None, what: str, tier: str, url: str,
-                  policy: RetryPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> T:
+                  policy: RetryPolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                  diagnose: Callable[[], BaseException | None] | None = None) -> T:
     """``fn()`` retried on transient failures (backoff with jitter) until ``deadline_s`` seconds have passed, each
     attempt itself :func:`bounded` by the time left; each retry is logged with ``what``, tier and URL. Raises the
     last translated error, a :class:`StorageTimeoutError` when the time ran out."""
@@ -159,12 +167,12 @@ def with_deadline(fn: Callable[[], T], *, deadline_s: float | None, what: str, t
 
     def attempt() -> T:
         left = None if end is None else max(0.001, end - clock())
-        return bounded(fn, timeout_s=left, what=what, tier=tier, url=url)
+        return bounded(fn, timeout_s=left, what=what, tier=tier, url=url, diagnose=diagnose)
 
     answered: list[BaseException] = []  # the last error the endpoint itself gave (not a wait cut short)
 
     def on_retry(k: int, exc: BaseException, pause: float) -> None:
-        if not isinstance(exc, StorageTimeoutError):
+        if type(exc) is not StorageTimeoutError:
             answered[:] = [exc]
         log.warning("tier %s: %s %s failed (%s); retry %d in %.1f s", tier, what, url, exc, k, pause)
 
@@ -172,7 +180,7 @@ def with_deadline(fn: Callable[[], T], *, deadline_s: float | None, what: str, t
         return policy.call(attempt, what=f"{what} {url}", deadline=end, on_retry=on_retry, clock=clock)
     except DeadlineExceeded as exc:
         cause = exc.__cause__
-        if isinstance(cause, StorageTimeoutError) and answered:
+        if type(cause) is StorageTimeoutError and answered:
             cause = answered[0]  # the last attempt was only cut short by the deadline: name the real failure
         cls = StorageUnavailableError if isinstance(cause, StorageUnavailableError) else StorageTimeoutError
         raise cls(f"{what}: still failing when its {deadline_s:g} s deadline passed ({cause})",

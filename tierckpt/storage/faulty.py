@@ -253,6 +253,9 @@ class FaultyStore(Store):
         self.plan.hit("write_bytes")
         self.inner.write_bytes(rel, bytes(self.plan.clip(data)))
 
+    def diagnose(self) -> BaseException | None:
+        return self.inner.diagnose()
+
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         self.plan.hit("write_bytes")  # the same request as a write, conditional
         return self.inner.create_exclusive(rel, bytes(self.plan.clip(data)))

@@ -34,7 +34,9 @@ import errno
 import io
 import logging
 import re
+import socket
 import time
+import urllib.parse
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, StorageError
@@ -265,6 +267,8 @@ class FsspecStore(Store):
             raise StorageError("remote tiers need fsspec: pip install fsspec", tier=self.tier, path=self.url) from exc
         options.setdefault("skip_instance_cache", True)
         options.setdefault("use_listings_cache", False)
+        endpoint = (options.get("client_kwargs") or {}).get("endpoint_url") or options.get("endpoint_url")
+        self._endpoint = endpoint if isinstance(endpoint, str) else None
         if scheme in ("s3", "s3a"):
             cfg = dict(options.get("config_kwargs") or {})
             if request_timeout_s:
@@ -404,6 +408,26 @@ class FsspecStore(Store):
                 self.fs.pipe_file(p, bytes(data))
         finally:
             self._invalidate(p)
+
+    def diagnose(self) -> BaseException | None:
+        """A TCP connection to the configured endpoint (``endpoint_url``) within half a second: the error if it is
+        refused or its name does not resolve; None if it connects (then the endpoint is silent or slow) or no
+        endpoint is configured (a cloud's own, not probed)."""
+        endpoint = getattr(self, "_endpoint", None)
+        if not endpoint:
+            return None
+        parts = urllib.parse.urlsplit(endpoint)
+        if not parts.hostname:
+            return None
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            socket.create_connection((parts.hostname, port), timeout=0.5).close()
+        except (ConnectionRefusedError, socket.gaierror) as exc:
+            return ConnectionRefusedError(exc.errno, f"{parts.hostname}:{port}: {exc.strerror or exc}") \
+                if isinstance(exc, ConnectionRefusedError) else exc
+        except OSError:
+            return None  # no TCP answer either: silent
+        return None
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         if not self.exclusive_create:

@@ -157,6 +157,7 @@ def list_tiers(tiers: list[Store], *, deadline_s: float | None) -> TierListings:
                 steps[store.tier] = set(list_root(store).steps)
             else:
                 steps[store.tier] = set(with_deadline(lambda s=store: list_root(s).steps, deadline_s=deadline_s,
+                                                      diagnose=store.diagnose,
                                                       what="list", tier=store.tier, url=store.url))
         except CheckpointError as exc:
             failed[store.tier] = exc if isinstance(exc, StorageError) else StorageError(
