@@ -11,7 +11,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,22 +82,49 @@ class Clock:
         self.last_step, self.last_time = step, time.monotonic()
 
 
-class SlowSaveMonitor:
-    """Warns when a save's time to durable exceeds ``factor`` x the running median of earlier saves."""
+#: Seconds a save's time to durable must reach before it can count as slow: the milliseconds of a small save vary by
+#: several times their median without anything being wrong.
+SLOW_SAVE_MIN_S = 1.0
+#: Seconds between two slow-save warnings at most; the slow saves in between are counted in the next warning.
+SLOW_SAVE_WARN_INTERVAL_S = 60.0
 
-    def __init__(self, factor: float = 1.5, window: int = 50, min_history: int = 3) -> None:
+
+class SlowSaveMonitor:
+    """Warns when a save's time to durable is slow: at least ``min_seconds`` and more than ``factor`` x the running
+    median of the ``window`` earlier saves (once ``min_history`` saves are known). At most one warning per
+    ``interval_s`` seconds (of ``clock``); the next one says how many slow saves went unreported meanwhile."""
+
+    def __init__(self, factor: float = 1.5, window: int = 50, min_history: int = 3, *,
+                 min_seconds: float = SLOW_SAVE_MIN_S, interval_s: float = SLOW_SAVE_WARN_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.factor, self.window, self.min_history = factor, window, min_history
+        self.min_seconds, self.interval_s, self._clock = min_seconds, interval_s, clock
         self.history: list[float] = []
+        self._last_warning: float | None = None
+        self._suppressed = 0
 
     def observe(self, step: int, seconds: float, nbytes: int, tier: str) -> bool:
+        """Record one save's time to durable; whether it was slow (warned about, or counted for the next
+        warning)."""
         slow = False
-        if len(self.history) >= self.min_history:
+        if len(self.history) >= self.min_history and seconds >= self.min_seconds:
             ordered = sorted(self.history)
             median = ordered[len(ordered) // 2]
             if seconds > self.factor * median:
                 slow = True
-                log.warning("tier %s: step %d took %.3f s to become durable, %.1fx the running median %.3f s "
-                            "(%.2f GB/s)", tier, step, seconds, seconds / median, median, nbytes / seconds / 1e9)
+                self._warn(step, seconds, median, nbytes, tier)
         self.history.append(seconds)
         del self.history[: -self.window]
         return slow
+
+    def _warn(self, step: int, seconds: float, median: float, nbytes: int, tier: str) -> None:
+        now = self._clock()
+        if self._last_warning is not None and now - self._last_warning < self.interval_s:
+            self._suppressed += 1
+            return
+        more = (f"; {self._suppressed} more slow save{'s' if self._suppressed > 1 else ''} since the last warning"
+                if self._suppressed else "")
+        self._last_warning, self._suppressed = now, 0
+        ratio = f"{seconds / median:.1f}x" if median > 0 else "far above"
+        log.warning("tier %s: step %d took %.3f s to become durable, %s the running median %.3f s (%.2f GB/s)%s",
+                    tier, step, seconds, ratio, median, nbytes / seconds / 1e9, more)

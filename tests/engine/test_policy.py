@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierckpt import CheckpointManager
-from tierckpt.policy import SavePolicy, SlowSaveMonitor
+from tierckpt.policy import SLOW_SAVE_MIN_S, SLOW_SAVE_WARN_INTERVAL_S, SavePolicy, SlowSaveMonitor
 
 
 def test_should_save_every_n_steps(tmp_path: Path) -> None:
@@ -49,6 +49,40 @@ def test_slow_save_warning(caplog: pytest.LogCaptureFixture) -> None:
         assert not any(mon.observe(s, 1.0, 10**9, "local") for s in range(5))
         assert mon.observe(6, 2.0, 10**9, "local")
     assert "step 6" in caplog.text and "running median" in caplog.text
+
+
+def _slow_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tierckpt.policy" and r.levelno == logging.WARNING]
+
+
+def test_tiny_fast_saves_never_warn_however_they_vary(caplog: pytest.LogCaptureFixture) -> None:
+    """Saves of a few milliseconds jitter by several times their median: no warning, for none of them."""
+    mon = SlowSaveMonitor()
+    times = [0.004, 0.003, 0.005, 0.004, 0.011, 0.004, 0.002, 0.04, 0.004, 0.3, 0.004, 0.9]
+    with caplog.at_level(logging.WARNING, logger="tierckpt.policy"):
+        assert not any(mon.observe(10 * (i + 1), s, 4096, "local") for i, s in enumerate(times))
+    assert _slow_warnings(caplog) == []
+
+
+def test_a_slow_save_warns_once_a_minute_then_counts_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    now = [1000.0]
+    mon = SlowSaveMonitor(clock=lambda: now[0])
+    assert mon.min_seconds == SLOW_SAVE_MIN_S == 1.0 and mon.interval_s == SLOW_SAVE_WARN_INTERVAL_S == 60.0
+    with caplog.at_level(logging.WARNING, logger="tierckpt.policy"):
+        for step in range(1, 6):
+            assert not mon.observe(step, 1.0, 10**9, "local")
+            now[0] += 5
+        assert mon.observe(6, 4.0, 10**9, "local")  # 4x the median, and seconds long: it matters
+        for step in (7, 8, 9):  # slow again within the minute: counted, not logged
+            now[0] += 10
+            assert mon.observe(step, 4.0, 10**9, "local")
+        assert len(_slow_warnings(caplog)) == 1
+        now[0] += 40  # a minute after the warning
+        assert mon.observe(10, 5.0, 10**9, "local")
+    warnings = _slow_warnings(caplog)
+    assert len(warnings) == 2, warnings
+    assert "step 6 took 4.000 s to become durable" in warnings[0] and "running median 1.000 s" in warnings[0]
+    assert "step 10" in warnings[1] and "3 more slow saves since the last warning" in warnings[1], warnings[1]
 
 
 @pytest.mark.timeout(120)
