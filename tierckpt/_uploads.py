@@ -71,20 +71,12 @@ def claim_remote(eng: Engine) -> None:
     assert eng.remote is not None
     remote, local = eng.remote, eng.local
 
-    def shares_saves(steps: set[int]) -> bool:
-        for s in sorted(set(list_root(local).steps) & steps, reverse=True)[:3]:
-            mine = read_step_manifest(local, layout.step_dir(s), s)
-            theirs = read_step_manifest(remote, layout.step_dir(s), s)
-            if mine is not None and theirs is not None and mine.save_id == theirs.save_id:
-                return True
-        return False
-
     assert eng.identity is not None
     mine = eng.identity
     ident = with_deadline(
         lambda: identity.check_remote(remote, mine, local_url=local.url,
                                       adopt_theirs=eng.options.continue_remote_run or eng.continues_remote,
-                                      shares_saves=shares_saves),
+                                      shares_saves=lambda steps: _shares_saves(local, remote, steps)),
         deadline_s=eng.options.remote_timeout_s, what="check the run identity of", tier=remote.tier, url=remote.url,
         diagnose=remote.diagnose)
     if ident != mine:
@@ -162,8 +154,28 @@ def _foreign_run(eng: Engine) -> identity.RunIdentity | None:
             log.warning("tier remote: cannot read the run identity of %s: %s", remote.url, exc)
             return None
     theirs = eng.remote_run
-    return theirs if theirs is not None and eng.identity is not None and theirs.run_id != eng.identity.run_id \
-        else None
+    if theirs is None or eng.identity is None or theirs.run_id == eng.identity.run_id:
+        return None
+    remote = eng.remote
+    try:  # the local tier holds the remote's saves (pulled from it): the same run
+        shared = with_deadline(lambda: _shares_saves(eng.local, remote, set(list_root(remote).steps)),
+                               deadline_s=eng.options.remote_timeout_s, what="compare the saves of",
+                               tier=remote.tier, url=remote.url, diagnose=remote.diagnose)
+    except Exception as exc:
+        log.warning("tier remote: cannot compare the saves of %s with the local tier: %s", remote.url, exc)
+        return theirs
+    return None if shared else theirs
+
+
+def _shares_saves(local: Store, remote: Store, steps: set[int]) -> bool:
+    """Whether the local tier holds a save of one of the remote's committed ``steps`` with the same save id (its
+    three newest common steps are compared)."""
+    for s in sorted(set(list_root(local).steps) & steps, reverse=True)[:3]:
+        mine = read_step_manifest(local, layout.step_dir(s), s)
+        theirs = read_step_manifest(remote, layout.step_dir(s), s)
+        if mine is not None and theirs is not None and mine.save_id == theirs.save_id:
+            return True
+    return False
 
 
 def steps(eng: Engine, replicator: Replicator | None) -> list[StepInfo]:

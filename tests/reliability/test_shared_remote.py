@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from tests._support.helpers import TESTS_DIR, subprocess_env
+from tests._support.helpers import TESTS_DIR, run_cli, subprocess_env
 from tierckpt import CheckpointManager, RunConflictError
 from tierckpt.format import layout
 from tierckpt.storage.commit import read_step_manifest
@@ -116,6 +116,25 @@ def test_a_job_with_checkpoints_of_its_own_never_resumes_the_other_run(tmp_path,
         s = _state(-1, 0)
         assert mgr.restore(s, source="remote") == 30 and float(s["w"][0]) == 30.25
     assert _save_ids(url, opts) == a_ids
+
+
+def test_a_node_given_the_remotes_step_by_pull_continues_the_run(tmp_path, job_a) -> None:
+    """The runbook's replaced node: `tierckpt pull` puts step 30 on the new node's disk, the job restores it from
+    there and saves 40: its folder holds the remote's save, so it continues that run and uploads."""
+    url, opts, a_ids = job_a
+    a_run = identity.read(LocalStore(tmp_path / "a"))
+    args = ["pull", url, str(tmp_path / "node2"), "--step", "30"]
+    for k in ("key", "secret"):
+        args += ["--storage-option", f"{k}={opts[k]}"]
+    args += ["--storage-option", f"client_kwargs={json.dumps(opts['client_kwargs'])}"]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = _job({"local": str(tmp_path / "node2"), "remote": url, "storage_options": opts, "steps": [40],
+                "tag": 0.75, "restore": True})
+    assert out["error"] is None and out["restored"] == 30 and out["restored_w"] == 30.25, out
+    ids = _save_ids(url, opts)
+    assert {s: ids[s] for s in a_ids} == a_ids and 40 in ids
+    assert identity.read(LocalStore(tmp_path / "node2")) == a_run == _remote_identity(url, opts)
 
 
 def test_continue_remote_run_adopts_the_remote_run_without_a_restore(tmp_path, job_a) -> None:

@@ -10,10 +10,12 @@ Before its first upload a manager checks the remote (:func:`check_remote`):
 
 - the remote holds no identity and no committed step: this run claims it;
 - the remote holds this run's identity: uploads go on;
-- the remote holds another run's identity, or committed steps of a run with none recorded (an older tierckpt) of
-  which this run's local tier holds no save: :class:`~tierckpt.errors.RunConflictError` and nothing is uploaded,
+- the remote holds another run's identity, or committed steps of a run with none recorded (an older tierckpt), and
+  this run's local tier holds no save of the remote's steps (the same save id: its steps were pulled from there,
+  or uploaded from here by an older tierckpt): :class:`~tierckpt.errors.RunConflictError` and nothing is uploaded,
   unless the job continues that run on purpose: it restored from that remote (the manager then adopts the
-  remote's identity) or was given ``continue_remote_run=True``.
+  remote's identity) or was given ``continue_remote_run=True``. A local tier that shares a save with the remote
+  adopts the remote's identity.
 
 Nothing here imports torch; a root's ``run.json`` is at most :data:`MAX_RUN_BYTES` and is parsed as plain JSON.
 """
@@ -131,8 +133,8 @@ def check_remote(remote: Store, mine: RunIdentity, *, local_url: str, adopt_thei
         theirs = claim(remote, mine)
     if theirs.run_id == mine.run_id:
         return mine
-    if adopt_theirs:
-        return theirs
+    if adopt_theirs or shares_saves(set(list_root(remote).steps)):
+        return theirs  # on purpose, or the local tier holds the remote's saves (`tierckpt pull`): the same run
     raise RunConflictError(
         f"the remote belongs to another {theirs.describe()}; this job's local folder {local_url} belongs to "
         f"{mine.describe()}: nothing is uploaded, so none of the other run's checkpoints is replaced, and this "
