@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests._support.helpers import assert_tree_equal
+from tests._support.remote import wait_for
 from tierckpt import CheckpointManager, StorageError, UploadError
 from tierckpt.testing import FaultProxy
 from tierckpt.tiers.listing import list_root
@@ -28,13 +29,6 @@ def _state(step: int, n: int = 20_000) -> dict:
 
 def _empty(n: int = 20_000) -> dict:
     return {"w": torch.zeros(n), "step": -1}
-
-
-def _wait_for(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -118,7 +112,7 @@ def test_each_call_does_not_pay_the_outage_again(tmp_path, remote, proxy) -> Non
     assert mgr.latest_step() == 2 and [i.step for i in mgr.steps()] == [1, 2]
     assert not mgr.health().ok
     proxy.set_mode("forward")
-    _wait_for(lambda: mgr.health().ok, 30)  # rechecked in the background, with backoff
+    wait_for(lambda: mgr.health().ok, 30)  # rechecked in the background, with backoff
     mgr.close()
 
 
@@ -146,7 +140,7 @@ def test_retries_follow_the_backoff_and_log_once_per_change_of_state(tmp_path, r
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("tierckpt")]
     assert len(errors) == 1, [r.getMessage()[:120] for r in errors]
     proxy.set_mode("forward")
-    _wait_for(lambda: {2, 3, 4} <= set(list_root(mgr.remote).steps), 60)
+    wait_for(lambda: {2, 3, 4} <= set(list_root(mgr.remote).steps), 60)
     mgr.wait()  # the old errors of steps since uploaded are not raised
     back = [r for r in caplog.records if "answers again" in r.getMessage()]
     assert len(back) == 1
@@ -170,8 +164,8 @@ def test_an_error_that_no_longer_applies_is_not_raised(tmp_path, remote, proxy) 
     proxy.set_mode("refuse")
     assert isinstance(mgr.save(2, _state(2)).uploaded.exception(timeout=60), UploadError)
     proxy.set_mode("forward")
-    _wait_for(lambda: 2 in set(list_root(mgr.remote).steps), 60)
-    _wait_for(lambda: mgr.health().upload_lag_steps == 0 and mgr.health().ok, 30)
+    wait_for(lambda: 2 in set(list_root(mgr.remote).steps), 60)
+    wait_for(lambda: mgr.health().upload_lag_steps == 0 and mgr.health().ok, 30)
     mgr.wait()
     mgr.close()
 
@@ -185,7 +179,7 @@ def test_status_is_right_from_the_first_failed_request(tmp_path, remote, proxy) 
     h = mgr.save(2, _state(2))
     h.persisted.result(timeout=30)
     t0 = time.monotonic()
-    _wait_for(lambda: not mgr.health().ok, 10)
+    wait_for(lambda: not mgr.health().ok, 10)
     assert time.monotonic() - t0 < 5 and not h.uploaded.done()  # seen while the upload still retries
     health = mgr.health()
     assert health.consecutive_failures >= 1 and "Could not connect" in (health.last_error or "")

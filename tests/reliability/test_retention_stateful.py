@@ -50,18 +50,16 @@ from hypothesis.stateful import (
 )
 
 import tierckpt.manager as manager_mod
+from tests._support.remote import RemoteSwitch, wrap_remote_stores
 from tierckpt import CheckpointManager, UploadError, cli
 from tierckpt.replication import ReplicationPolicy
 from tierckpt.retention import KeepPolicy
-from tierckpt.storage.faulty import FaultyStore
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(300)
 
 N = 100
-#: every operation that writes or deletes on the remote (reads and listings keep working while it is "down")
-WRITE_OPS = ("makedirs", "open_write", "write_bytes", "write", "close", "remove", "replace_dir", "sync_dir")
 EXIT_UNAVAILABLE = 3
 
 
@@ -71,31 +69,6 @@ def _state(step: int) -> dict:
 
 def _empty() -> dict:
     return {"w": torch.zeros(N), "step": -1}
-
-
-def _denied(op: str, n: int) -> BaseException:
-    return PermissionError(13, f"injected: remote refuses {op} #{n}")
-
-
-class RemoteSwitch:
-    """The outage of one example: every remote store a manager opens is wrapped, and follows ``down``."""
-
-    def __init__(self) -> None:
-        self.down = False
-        self.stores: list[FaultyStore] = []
-
-    def _plan(self) -> dict:
-        return {op: "all" for op in WRITE_OPS} if self.down else {}
-
-    def set(self, down: bool) -> None:
-        self.down = down
-        for s in self.stores:
-            s.plan.fail = self._plan()  # FaultPlan.hit reads it under its lock; "all" fails every call
-
-    def wrap(self, store):  # noqa: ANN001, ANN201
-        faulty = FaultyStore(store, fail=self._plan(), error_factory=_denied)
-        self.stores.append(faulty)
-        return faulty
 
 
 _CURRENT: list[RemoteSwitch] = []  # the running example's switch (the patched open_store finds it here)
@@ -296,13 +269,7 @@ class TwoTierRetention(RuleBasedStateMachine):
 
 @pytest.fixture
 def patched_manager(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_open_store = manager_mod.open_store
-
-    def open_store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        store = real_open_store(*args, **kwargs)
-        return _CURRENT[0].wrap(store) if kwargs.get("tier") == "remote" and _CURRENT else store
-
-    monkeypatch.setattr(manager_mod, "open_store", open_store)
+    wrap_remote_stores(monkeypatch, _CURRENT)
     monkeypatch.setattr(manager_mod, "ReplicationPolicy",
                         functools.partial(ReplicationPolicy, retry_initial_s=3600.0, retry_max_s=3600.0))
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests._support.helpers import assert_tree_equal, subprocess_env
+from tests._support.remote import wait_for
 from tierckpt import CheckpointManager
 from tierckpt.format import layout
 from tierckpt.storage.open import open_store
@@ -34,13 +35,6 @@ def _state(step: int) -> dict:
 
 def _empty() -> dict:
     return {"w": torch.zeros(N), "step": -1}
-
-
-def _wait_for(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -71,7 +65,7 @@ def test_a_resumed_upload_never_lands_above_the_rollback_point(setup) -> None:
     local, url, kw, proxy, remote = setup
     proxy.set_mode("slow", bytes_per_s=256 * 1024)  # a step takes ~4 s to upload
     mgr = CheckpointManager(local, remote=url, **kw)  # resumes 20, 19, ... newest first
-    _wait_for(lambda: mgr.health().uploading == 20, 30)
+    wait_for(lambda: mgr.health().uploading == 20, 30)
     state = _empty()
     assert mgr.restore(state, step=5) == 5
     assert_tree_equal(state, _state(5))

@@ -36,11 +36,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import tierckpt.manager as manager_mod
+from tests._support.remote import RemoteSwitch, wrap_remote_stores
 from tierckpt import CheckpointManager, RollbackError, UploadError
 from tierckpt.format import layout
 from tierckpt.storage.commit import read_step_manifest
-from tierckpt.storage.faulty import FaultyStore
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import identity
 from tierckpt.tiers.listing import list_root
@@ -48,7 +47,6 @@ from tierckpt.tiers.listing import list_root
 pytestmark = pytest.mark.timeout(300)
 
 N = 64
-WRITE_OPS = ("makedirs", "open_write", "write_bytes", "write", "close", "remove", "replace_dir", "sync_dir")
 JOBS = ("a", "b")
 
 
@@ -60,30 +58,7 @@ def _empty() -> dict:
     return {"w": torch.zeros(N), "step": -1}
 
 
-def _denied(op: str, n: int) -> BaseException:
-    return PermissionError(13, f"injected: remote refuses {op} #{n}")
-
-
-class _Switch:
-    def __init__(self) -> None:
-        self.down = False
-        self.stores: list[FaultyStore] = []
-
-    def _plan(self) -> dict:
-        return {op: "all" for op in WRITE_OPS} if self.down else {}
-
-    def set(self, down: bool) -> None:
-        self.down = down
-        for s in self.stores:
-            s.plan.fail = self._plan()
-
-    def wrap(self, store):  # noqa: ANN001, ANN201
-        faulty = FaultyStore(store, fail=self._plan(), error_factory=_denied)
-        self.stores.append(faulty)
-        return faulty
-
-
-_CURRENT: list[_Switch] = []
+_CURRENT: list[RemoteSwitch] = []
 
 
 def _committed(path: Path, tier: str) -> dict[int, int]:
@@ -112,7 +87,7 @@ class TwoRunsOneRemote(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="tierckpt-runs-sm-"))
         self.remote_dir = self.dir / "remote"
         self.local = {j: self.dir / j for j in JOBS}
-        self.switch = _Switch()
+        self.switch = RemoteSwitch()
         _CURRENT[:] = [self.switch]
         self.mgr: dict[str, CheckpointManager | None] = {j: None for j in JOBS}
         self.tag = 0
@@ -269,13 +244,7 @@ class TwoRunsOneRemote(RuleBasedStateMachine):
 
 @pytest.fixture
 def patched_manager(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_open_store = manager_mod.open_store
-
-    def open_store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        store = real_open_store(*args, **kwargs)
-        return _CURRENT[0].wrap(store) if kwargs.get("tier") == "remote" and _CURRENT else store
-
-    monkeypatch.setattr(manager_mod, "open_store", open_store)
+    wrap_remote_stores(monkeypatch, _CURRENT)
 
 
 def test_two_runs_on_one_remote_state_machine(patched_manager: None) -> None:
