@@ -1,5 +1,7 @@
 """The operators' CLI: ``tierckpt ls|verify|inspect|sync|pull|prune|export``, on local folders and remote URLs.
 
+``tierckpt --version`` prints the version; ``tierckpt`` without a command lists the commands (exit 2).
+
 The commands live in :mod:`.readonly` (``ls``, ``verify``, ``inspect``), :mod:`.remote` (``sync``, ``pull``) and
 :mod:`.prune`, ``export`` in :mod:`.export`, on the helpers of :mod:`._common`; this module builds the parser and
 maps what a command raises to its exit code. None of it imports torch but ``export`` when it runs.
@@ -30,6 +32,7 @@ import logging
 import os
 import sys
 
+from .._version import __version__
 from ..errors import CheckpointError, StorageError
 from . import readonly
 from ._common import (
@@ -41,6 +44,7 @@ from ._common import (
     UsageError,
     backend_failure,
     clean,
+    drop_cli_tier,
     say,
     storage_failure,
     target_url,
@@ -58,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                "3 storage unreachable, access denied or root in use by a live job")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log progress (and storage retries) to stderr")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"tierckpt {__version__}",
+                   help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND",
+                           help="`tierckpt COMMAND --help` lists its options")
     readonly.add_commands(sub)
     try:
         from . import prune, remote
@@ -72,6 +79,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action
+
+
+def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The sub-parsers of :func:`build_parser`'s ``parser``, by command name, in the order ``--help`` lists them."""
+    return dict(_subcommands(parser).choices)
+
+
+def _missing_command(parser: argparse.ArgumentParser) -> int:
+    """``tierckpt`` without a command: the usage and the commands, on stderr; exit 2."""
+    helps = {a.dest: a.help or "" for a in _subcommands(parser)._choices_actions}
+    width = max(map(len, helps), default=0)
+    lines = [parser.format_usage().rstrip(), "tierckpt: a command is needed, one of:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in helps.items()]
+    lines.append("`tierckpt COMMAND --help` lists a command's options; `tierckpt --help` the exit codes")
+    print("\n".join(lines), file=sys.stderr)
+    return EXIT_USAGE
+
+
+class _LogFormatter(logging.Formatter):
+    """``LEVEL logger: message``, without the internal tier name of the stores opened on ROOT."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        copy = logging.makeLogRecord(record.__dict__)  # other handlers see the record as it was
+        copy.msg, copy.args = drop_cli_tier(record.getMessage()), None
+        return super().format(copy)
+
+
 def _setup_logging(verbose: bool) -> None:
     """Log to stderr, as ``logging.basicConfig`` would (and like it, not at all when logging is configured
     already: an embedding program, a test runner). Without ``verbose`` the storage retries' warnings are
@@ -80,7 +120,7 @@ def _setup_logging(verbose: bool) -> None:
     if root.handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_LogFormatter())
     if not verbose:
         handler.addFilter(lambda r: r.levelno >= logging.ERROR or not r.name.startswith(_CHATTY_LOGGERS))
     root.addHandler(handler)
@@ -94,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    if args.cmd is None:
+        return _missing_command(parser)
     _setup_logging(args.verbose)
     try:
         return int(args.fn(args))
@@ -126,4 +168,4 @@ def main(argv: list[str] | None = None) -> int:
         return storage_failure(args, exc)
 
 
-__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "build_parser", "commands", "main"]

@@ -32,6 +32,12 @@ _BACKEND_MODULES = frozenset({"botocore", "aiobotocore", "aiohttp", "s3fs", "gcs
                               "azure", "fsspec", "urllib3", "requests", "ssl", "socket"})
 #: ``--storage-option`` keys whose values are credentials: masked in anything the CLI prints.
 _SECRET_KEY_RE = re.compile(r"key|secret|token|password|passwd|credential|signature|sas|auth", re.IGNORECASE)
+#: The tier name of the stores a command opens on ROOT (it may be a local or a remote tier): internal, never printed.
+CLI_TIER = "cli"
+#: Where an error or log message names :data:`CLI_TIER`: the ``tier cli`` of an error's ``[step N, tier cli, path
+#: P]`` suffix (the path says more), or a log line's leading ``tier cli:``.
+_CLI_TIER_RE = re.compile(rf" \[tier {CLI_TIER}\]|(?<=\[)tier {CLI_TIER}, |, tier {CLI_TIER}(?=[,\]])"
+                          rf"|^tier {CLI_TIER}: ")
 
 T = TypeVar("T")
 
@@ -112,7 +118,7 @@ def open_target(args: argparse.Namespace, target: str, *, tier: str, create: boo
         return open_store(target, storage_options=_options_for(args, target), tier=tier, create=create, **kw)
 
 
-def open_root(args: argparse.Namespace, target: str, *, tier: str = "cli",
+def open_root(args: argparse.Namespace, target: str, *, tier: str = CLI_TIER,
                read_concurrency: int | None = None, direct_io: bool = False,
                huge_pages: bool = False) -> tuple[Store, int | None]:
     """The tier root and, when ``target`` is a single step's folder, that step (``direct_io``, ``huge_pages``:
@@ -207,10 +213,15 @@ def _secrets(args: argparse.Namespace) -> list[str]:
     return sorted(set(found), key=len, reverse=True)
 
 
+def drop_cli_tier(text: str) -> str:
+    """``text`` without the internal tier name of the stores opened on ROOT (:data:`CLI_TIER`)."""
+    return _CLI_TIER_RE.sub("", text)
+
+
 def clean(args: argparse.Namespace, text: str) -> str:
-    """``text`` on one line, without credentials: no URL user info, no signed parameters, no credential given
-    as a ``--storage-option``."""
-    text = scrub(" ".join(text.split()))
+    """``text`` on one line, without credentials (no URL user info, no signed parameters, no credential given
+    as a ``--storage-option``) and without the internal tier name (:func:`drop_cli_tier`)."""
+    text = drop_cli_tier(scrub(" ".join(text.split())))
     for secret in _secrets(args):
         text = text.replace(secret, "***")
     return text
@@ -247,11 +258,18 @@ def storage_failure(args: argparse.Namespace, exc: BaseException) -> int:
     yet a :class:`StorageError` (a backend's own exception) is translated first."""
     if not isinstance(exc, StorageError):
         url = getattr(exc, "filename", None) if isinstance(exc, OSError) else None
-        exc = translate(exc, op=args.cmd, tier="cli", url=str(url) if url else target_url(args))
+        exc = translate(exc, op=args.cmd, tier=CLI_TIER, url=str(url) if url else target_url(args))
     assert isinstance(exc, StorageError)
     url = exc.path or target_url(args)
     say(args, f"tierckpt {args.cmd}: {url}: {exc.detail}", url=clean(args, url))
     return EXIT_UNAVAILABLE
+
+
+def report_json(args: argparse.Namespace, report: Any) -> dict[str, Any]:
+    """A :class:`~tierckpt.tiers.verify.StepReport` as JSON, its errors as :func:`clean` prints them."""
+    doc: dict[str, Any] = report.to_json()
+    doc["errors"] = [clean(args, e) for e in doc["errors"]]
+    return doc
 
 
 def backend_failure(exc: BaseException) -> bool:

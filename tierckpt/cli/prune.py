@@ -9,7 +9,8 @@ drop it, so a newest step that rotted cannot cost the last good one. Usually tha
 reported and makes the exit code 1, after the safe deletions. ``--no-verify`` reads no data: the step kept is the
 newest whose manifests verify and whose files have their recorded sizes. ``--dry-run`` verifies the same way and
 prints the plan. ``--leftovers`` also runs the commit protocol's recovery on ROOT (unfinished uploads and saves,
-files no manifest names).
+files no manifest names). Without ``--keep`` no step is deleted (nor read): ``prune ROOT --leftovers`` removes the
+leftovers only; with neither option (a dry run included) there is nothing to do, a usage error (exit 2).
 
 Next to a live job: a local root whose lock a live manager (or ``tierckpt pull``) holds is refused (exit 3),
 whatever the options, ``--dry-run`` included; on a remote root (a URL, or a folder without lock files), which
@@ -45,6 +46,7 @@ from ._common import (
     exit_for,
     open_root,
     progress_bar,
+    report_json,
     say,
     seconds,
     url_of,
@@ -81,7 +83,7 @@ def _newest_intact(args: argparse.Namespace, store: Store, steps: list[int]) -> 
     :class:`~tierckpt.errors.StorageError` when the store cannot be read: nothing is known about the steps then,
     and nothing has been deleted."""
     from ..tiers.verify import verify_step
-    from .readonly import _print_report
+    from .readonly import print_report
 
     bar = progress_bar(0, sys.stderr.isatty() and not args.json, "verify")
     reports: list[Any] = []
@@ -91,7 +93,7 @@ def _newest_intact(args: argparse.Namespace, store: Store, steps: list[int]) -> 
                                  seen_committed=True, progress=(lambda n: bar.update(n)) if bar else None)
             reports.append(report)
             if not args.json:
-                _print_report(report)
+                print_report(args, report)
             if report.ok and not report.removed:
                 return step, reports
     finally:
@@ -238,10 +240,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from ..retention import KeepPolicy
     from ..tiers.steps import delete_step
 
-    try:
-        policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    for name in ("keep", "keep_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.keep is None and args.keep_every is not None:
+        raise UsageError("--keep-every K needs --keep N: it names the steps kept beyond the newest N")
+    if args.keep is None and not args.leftovers:
+        raise UsageError("nothing to do: --keep N deletes all but the newest N steps, --leftovers removes what "
+                         "unfinished saves and uploads left; pass either or both"
+                         + ("" if args.dry_run else " (and --dry-run to see the plan first)"))
+    policy = KeepPolicy(keep_last=args.keep, keep_every=args.keep_every)
     for name in ("threads", "read_concurrency"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -254,11 +262,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     try:
         _refuse_if_live(store)
         steps = sorted(bounded_list_root(args, store).steps)
-        if not steps:
+        if not steps and args.keep is not None:
             say(args, f"no committed checkpoints under {store.url}")
             return EXIT_USAGE
         doomed = policy.to_delete(steps)
-        if args.verify:  # every byte of the steps it keeps, newest first until one is intact, before any deletion
+        protected: int | None = None
+        why = ""
+        if args.keep is None:
+            pass  # --leftovers alone: no step is deleted, so none is read
+        elif args.verify:  # every byte of the steps it keeps, newest first until one is intact, before any deletion
             protected, reports = _newest_intact(args, store, steps)
             why = "the newest intact step"
         else:
@@ -307,13 +319,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
         doc: dict[str, Any] = {"root": store.url, "dry_run": args.dry_run, "ok": not errors, "kept": kept,
                                "deleted": deleted, "errors": errors, "leftovers": leftovers,
                                "kept_leftovers": young, "newest_intact": protected if args.verify else None,
-                               "verified": [r.to_json() for r in reports]}
+                               "verified": [report_json(args, r) for r in reports]}
         if args.dry_run:
             doc["would_delete"] = doomed
         print(json.dumps(doc))
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s); keeping {kept}")
+        print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s)"
+              + (" (no --keep)" if args.keep is None else "") + f"; keeping {kept}")
     return exit_for(failures)
 
 
@@ -322,15 +335,18 @@ def add_commands(sub: Any) -> None:
     sp = sub.add_parser("prune", help="apply retention by hand (manifest first; never the newest step, nor the "
                                       "newest intact one)")
     sp.add_argument("root", help="tier root: a path or an fsspec URL")
-    sp.add_argument("--keep", type=int, required=True, help="keep the N newest steps")
+    sp.add_argument("--keep", type=int, default=None, metavar="N",
+                    help="keep the N newest steps, delete the others (without it no step is deleted: "
+                         "--leftovers alone)")
     sp.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep every K-th step")
     sp.add_argument("--dry-run", action="store_true",
-                    help="verify as a prune would, print what would be kept and deleted, delete nothing")
+                    help="verify as a prune would, print what would be kept and deleted (and with --leftovers "
+                         "the leftovers it would remove), delete nothing")
     sp.add_argument("--no-verify", dest="verify", action="store_false",
                     help="read no data: keep the newest step whose manifests verify and whose files have their "
                          "sizes, not the newest whose bytes match their checksums (by default the steps are read "
                          "in full, newest first, until one is intact)")
-    sp.add_argument("--threads", type=int, default=4, help="files verified at once (default 4)")
+    sp.add_argument("--threads", type=int, default=4, metavar="N", help="files verified at once (default 4)")
     sp.add_argument("--read-concurrency", type=int, default=8, metavar="N",
                     help="URLs: ranged reads of one file in flight while verifying (default 8; each holds an "
                          "8 MiB buffer)")

@@ -29,9 +29,18 @@ from ._common import (
     open_root,
     open_target,
     progress_bar,
+    report_json,
     say,
     warn,
 )
+
+
+def ranks_held(world_size: int | None, ranks: Any) -> list[int] | None:
+    """The ranks whose shards a copy of a step holds, None for all of them: a node's copy that holds every rank's
+    reads the same as a remote tier's copy (whose manifest lists none)."""
+    if ranks is None or not world_size or set(ranks) >= set(range(world_size)):
+        return None
+    return sorted(ranks)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -65,7 +74,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     def ranks(i: Any) -> str:
         if not i.world_size or i.world_size == 1:
             return "1"
-        return f"{i.world_size} (here: {'all' if i.ranks_here is None else list(i.ranks_here)})"
+        held = ranks_held(i.world_size, i.ranks_here)
+        return f"{i.world_size} (here: {'all' if held is None else held})"
 
     code = EXIT_OK if remote_error is None else EXIT_UNAVAILABLE
     if args.json:
@@ -74,7 +84,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "steps": [{"step": i.step, "state": state(i), "local": i.local,
                        "remote": None if remote_error is not None else i.remote, "bytes": i.bytes,
                        "created": i.created, "world_size": i.world_size,
-                       "ranks_here": None if i.ranks_here is None else list(i.ranks_here)} for i in infos],
+                       "ranks_here": ranks_held(i.world_size, i.ranks_here)} for i in infos],
             "incomplete": listing.incomplete,
         }
         if remote is not None and remote_error is not None:
@@ -129,13 +139,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                  progress=(lambda n: bar.update(n)) if bar else None)
             reports.append(report)
             if not args.json:
-                _print_report(report)
+                print_report(args, report)
     finally:
         if bar:
             bar.close()
     ok = all(r.ok for r in reports)
     if args.json:
-        print(json.dumps({"root": store.url, "ok": ok, "steps": [r.to_json() for r in reports],
+        print(json.dumps({"root": store.url, "ok": ok, "steps": [report_json(args, r) for r in reports],
                           "incomplete": listing.incomplete}))
     else:
         for name in listing.incomplete:
@@ -148,8 +158,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_BAD
 
 
-def _print_report(report: Any) -> None:
-    """One step's ``verify`` result, as text."""
+def print_report(args: argparse.Namespace, report: Any) -> None:
+    """One step's ``verify`` result, as text (its errors :func:`~._common.clean`)."""
     step = report.step
     if report.removed:
         print(f"step {step}: removed during the check (deleted while it was read, e.g. by a live job's "
@@ -158,11 +168,11 @@ def _print_report(report: Any) -> None:
     status = "OK" if report.ok else "CORRUPT"
     ranks = ""
     if report.world_size and report.world_size > 1:
-        held = report.ranks if len(report.ranks) < report.world_size else "all"
-        ranks = f", {report.world_size} ranks, shards here: {held}"
+        held = ranks_held(report.world_size, report.ranks)
+        ranks = f", {report.world_size} ranks, shards here: {'all' if held is None else held}"
     print(f"step {step}: {status} ({report.bytes / 2**20:.1f} MiB{ranks})")
     for err in report.errors:
-        print(f"  error: {err}")
+        print(f"  error: {clean(args, err)}")
     for name in report.extra_files:
         print(f"  warning: unexpected file {name} (not in the manifest)")
 
@@ -178,8 +188,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     manifest, rms = bounded(args, store, "read manifests of", lambda: read_manifests(store, step))
     if args.json:
         print(json.dumps({
-            "step": step, "world_size": manifest.world_size, "bytes": manifest.total_bytes,
-            "created": manifest.created, "metadata": manifest.metadata,
+            "ok": True, "root": store.url, "step": step, "world_size": manifest.world_size,
+            "bytes": manifest.total_bytes, "created": manifest.created, "metadata": manifest.metadata,
             "library_version": manifest.library_version,
             "tensors": [{"rank": rm.rank, "key": t.path, "name": t.name, "dtype": t.dtype,
                          "shape": list(t.shape), "bytes": t.nbytes, "file": rm.files[t.file].name}
@@ -201,21 +211,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     """Register ``ls``, ``verify`` and ``inspect`` on the ``tierckpt`` sub-parsers."""
     sp = sub.add_parser("ls", help="list committed steps and leftovers")
-    sp.add_argument("root")
+    sp.add_argument("root", help="tier root, a single step folder, or a URL")
     sp.add_argument("--remote",
                     help="also list this remote tier: each step shows local, remote or local+remote")
     add_common_options(sp)
     sp.set_defaults(fn=cmd_ls)
     sp = sub.add_parser("verify", help="re-hash every file of every committed step against its manifest")
     sp.add_argument("root", help="tier root, a single step folder, or a URL")
-    sp.add_argument("--step", type=int)
-    sp.add_argument("--threads", type=int, default=4, help="files verified at once (default 4)")
+    sp.add_argument("--step", type=int, metavar="N", help="verify this step only (default: every committed step)")
+    sp.add_argument("--threads", type=int, default=4, metavar="N", help="files verified at once (default 4)")
     sp.add_argument("--read-concurrency", type=int, default=8, metavar="N",
                     help="URLs: ranged reads of one file in flight (default 8; each holds an 8 MiB buffer)")
     add_common_options(sp)
     sp.set_defaults(fn=cmd_verify)
     sp = sub.add_parser("inspect", help="print a step's tensors and metadata")
-    sp.add_argument("root")
-    sp.add_argument("--step", type=int)
+    sp.add_argument("root", help="tier root, a single step folder, or a URL")
+    sp.add_argument("--step", type=int, metavar="N", help="the step (needed unless ROOT is a step folder)")
     add_common_options(sp)
     sp.set_defaults(fn=cmd_inspect)

@@ -336,7 +336,7 @@ def add_commands(sub: Any) -> None:
     sp = sub.add_parser("sync", help="replicate committed local steps that the remote lacks (resumable)")
     sp.add_argument("local", help="local tier root (or one step folder)")
     sp.add_argument("remote", help="remote tier: a path or an fsspec URL such as s3://bucket/run")
-    sp.add_argument("--threads", type=int, default=4, help="files uploaded in parallel (default 4)")
+    sp.add_argument("--threads", type=int, default=4, metavar="N", help="files uploaded in parallel (default 4)")
     sp.add_argument("--write-concurrency", type=int, default=DEFAULT_WRITE_CONCURRENCY, metavar="N",
                     help="s3:// only: parts of the uploads in flight at once "
                          f"(default {DEFAULT_WRITE_CONCURRENCY}; each holds a part in memory)")
@@ -352,8 +352,9 @@ def add_commands(sub: Any) -> None:
     sp = sub.add_parser("pull", help="bring one step of a remote tier back into a local tier root (verified)")
     sp.add_argument("remote", help="remote tier root (or one step folder): a path or an fsspec URL")
     sp.add_argument("local", help="local tier root (created if missing)")
-    sp.add_argument("--step", type=int, help="the step to pull")
-    sp.add_argument("--threads", type=int, default=4, help="files downloaded in parallel (default 4)")
+    sp.add_argument("--step", type=int, metavar="N", help="the step to pull (needed unless REMOTE is a step folder)")
+    sp.add_argument("--threads", type=int, default=4, metavar="N",
+                    help="files downloaded in parallel (default 4)")
     sp.add_argument("--read-concurrency", type=int, default=8, metavar="N",
                     help="URLs: ranged reads of one file in flight (default 8; each holds an 8 MiB buffer)")
     sp.add_argument("--force", action="store_true",
