@@ -3,13 +3,15 @@ sdist (so the sdist is proven to hold what a build needs). The sdist carries the
 optional native host copy; the wheel carries the LICENSE in its metadata and the compiled module, never its C
 source.
 
-The sdist is built by setuptools' own PEP 517 backend (what ``python -m build --sdist`` runs) and the wheel by
-``pip wheel``, both without build isolation: the build uses the setuptools of this environment and fetches
-nothing.
+Both are built by ``pip wheel`` and setuptools' own PEP 517 backend (what ``python -m build --sdist`` runs), without
+build isolation where this environment's setuptools is as new as ``[build-system] requires`` asks (then the build
+fetches nothing), else in an isolated environment that pip sets up.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -39,19 +41,39 @@ def _source_tree(dest: Path) -> Path:
     return dest
 
 
+def _setuptools_will_do() -> bool:
+    """Whether this environment's setuptools is as new as ``[build-system] requires`` asks."""
+    section = (ROOT / "pyproject.toml").read_text(encoding="utf-8").split("[build-system]", 1)[1].split("\n[", 1)[0]
+    needed = re.search(r'"setuptools\s*>=\s*(\d+)', section)
+    assert needed is not None, section
+    try:
+        have = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return int(have.split(".")[0]) >= int(needed.group(1))
+
+
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("packaging")
     tree = _source_tree(base / "src")
     out = base / "dist"
     out.mkdir()
-    build = ("import sys; from setuptools import build_meta; "
-             "print(build_meta.build_sdist(sys.argv[1]))")
-    proc = subprocess.run([sys.executable, "-c", build, str(out)], cwd=tree, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sdist = out / proc.stdout.strip().splitlines()[-1]
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+    if _setuptools_will_do():
+        build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+        proc = subprocess.run([sys.executable, "-c", build, str(out)], cwd=tree, capture_output=True, text=True,
+                              timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        sdist = out / proc.stdout.strip().splitlines()[-1]
+        isolation = ["--no-build-isolation"]
+    else:  # pip's isolated environment builds both (the sdist with `build`, which sets up the same)
+        pytest.importorskip("build", reason="an sdist needs setuptools>=77 here, or the `build` package")
+        proc = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(out), str(tree)],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (sdist,) = out.glob("tierckpt-*.tar.gz")
+        isolation = []
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "--no-cache-dir",
                            "--disable-pip-version-check", "-w", str(base / "wheel"), str(sdist)],
                           cwd=base, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
