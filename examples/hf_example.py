@@ -1,7 +1,9 @@
 """Hugging Face Trainer + tierckpt: asynchronous checkpoints, a crash, and a resume that matches an unbroken run.
 
-Run with ``python examples/hf_example.py`` (a few seconds on CPU; needs ``transformers`` and ``accelerate``).
-Three processes train a tiny GPT-2 built from a config (nothing is downloaded):
+Run with ``python examples/hf_example.py [--dir FOLDER]`` (a few seconds on CPU; needs ``transformers`` and
+``accelerate``). Everything it writes goes into ``--dir`` (default: ``tierckpt-hf-example`` in the system's temporary
+folder, or ``$TIERCKPT_EXAMPLE_DIR``), which it wipes first. Three processes train a tiny GPT-2 built from a config
+(nothing is downloaded):
 
 1. a run that checkpoints every ``--every`` steps through ``TieredCheckpointCallback`` (a local tier, and a
    "remote" folder standing in for object storage) and is SIGKILLed right after step ``--crash-at``;
@@ -18,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import torch
 from transformers import (
@@ -92,7 +95,9 @@ def train(args: argparse.Namespace, role: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="hf_demo_run", help="working folder (wiped at start)")
+    p.add_argument("--dir", default=os.environ.get("TIERCKPT_EXAMPLE_DIR")
+                   or os.path.join(tempfile.gettempdir(), "tierckpt-hf-example"),
+                   help="working folder, wiped at start (default: %(default)s)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--crash-at", type=int, default=17)
@@ -103,6 +108,7 @@ def main() -> int:
         return 0
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
+    print(f"== working folder: {args.dir}")
     base = [sys.executable, __file__, "--dir", args.dir, "--steps", str(args.steps), "--every", str(args.every),
             "--crash-at", str(args.crash_at)]
     print(f"== 1. Trainer with TieredCheckpointCallback(save_steps={args.every}), killed after step {args.crash_at}")

@@ -3,6 +3,9 @@ metrics are served at http://localhost:PORT/metrics (or printed once with --prin
 
     .venv/bin/python examples/prometheus_example.py [--port 9100] [--print] [--dir /tmp/tierckpt-metrics]
 
+Run it again with the same ``--dir`` and it resumes from the newest checkpoint there. ``--port 0`` serves on a free
+port (printed).
+
 Needs ``pip install "tierckpt[prometheus]"``. Scrape it with Prometheus, or open the URL while it runs: the
 histograms of save stall, durable and upload seconds, the counters of saves and failed uploads, and the gauges of
 the last committed step per tier and the upload lag (read from ``mgr.health()`` at each scrape).
@@ -23,7 +26,7 @@ from tierckpt.metrics import PrometheusMetrics
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, default=9100)
+    ap.add_argument("--port", type=int, default=9100, help="0: a free port")
     ap.add_argument("--print", action="store_true", help="print the metrics once at the end instead of serving them")
     ap.add_argument("--dir", default="/tmp/tierckpt-metrics")
     ap.add_argument("--steps", type=int, default=20)
@@ -32,8 +35,9 @@ def main() -> None:
     registry = prometheus_client.CollectorRegistry()
     metrics = PrometheusMetrics(registry)
     if not args.print:
-        prometheus_client.start_http_server(args.port, registry=registry)
-        print(f"metrics at http://localhost:{args.port}/metrics")
+        started = prometheus_client.start_http_server(args.port, registry=registry)  # (server, thread) since 0.20
+        port = started[0].server_port if started else args.port
+        print(f"metrics at http://localhost:{port}/metrics", flush=True)
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = {"model": model, "optim": opt}
@@ -41,6 +45,7 @@ def main() -> None:
                                     keep_local=2, keep_remote=3, on_record=metrics) as mgr:
         metrics.attach(mgr)  # the tier gauges
         start = (mgr.restore(state) or 0) + 1
+        print(f"restored step {start - 1}" if start > 1 else "no checkpoint found, starting from scratch", flush=True)
         for step in range(start, start + args.steps):
             model(torch.randn(32, 256)).pow(2).mean().backward()
             opt.step()

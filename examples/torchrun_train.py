@@ -1,6 +1,7 @@
 """Multi-rank checkpointing under torchrun or Slurm: each rank saves its shard, the managers agree on commits.
 
     torchrun --nproc_per_node 2 examples/torchrun_train.py --local-dir /tmp/nvme/ckpt --remote-url /tmp/pfs/run1
+    torchrun --nproc_per_node 2 examples/torchrun_train.py ... --steps 60   # again: restores step 30, trains to 60
     srun python examples/torchrun_train.py ...       # see examples/slurm.sbatch
 
 Runs on CPU with gloo (and on GPUs with NCCL for training; tierckpt's own coordination always uses gloo). The model
@@ -26,6 +27,8 @@ def setup() -> tuple[int, int]:
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per rank, before NCCL starts
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
@@ -83,9 +86,10 @@ def main() -> None:
                 print(f"step {step}: saved, training waited {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
             if mgr.preempted:
                 break
-    mgr.close()
+    mgr.wait()  # every save so far committed in both tiers (raises an upload's error)
     if rank == 0:
         print("done:", [(i.step, i.state) for i in mgr.steps()], flush=True)
+    mgr.close()  # stops the manager's threads and releases the folder: nothing may be asked of it after this
     dist.destroy_process_group()
 
 
