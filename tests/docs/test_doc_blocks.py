@@ -121,6 +121,7 @@ def test_python_blocks_run_as_written(page: Path, request: pytest.FixtureRequest
     assert not _absolute_paths(SYBIL.parse(page)), "a block would write outside its temporary folder"
     if any("s3://" in _source(e) for e in examples):
         request.getfixturevalue("s3_endpoint")
+    monkeypatch.syspath_prepend(str(ROOT))  # the hidden setup blocks import tests.docs.doc_setup
     monkeypatch.chdir(tmp_path)  # whatever a block writes goes here
     ran, not_run = 0, []
     try:
