@@ -12,7 +12,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --upgrade pip >/dev/null
   "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-if ! "$VPY" -c "import tierckpt, pytest, sybil, moto, s3fs, hypothesis, lightning, transformers, mypy, prometheus_client, mkdocs, material, mkdocstrings_handlers.python" >/dev/null 2>&1 \
+if ! "$VPY" -c "import tierckpt, pytest, xdist, sybil, moto, s3fs, hypothesis, lightning, transformers, mypy, prometheus_client, mkdocs, material, mkdocstrings_handlers.python" >/dev/null 2>&1 \
     || [ pyproject.toml -nt .venv/.tierckpt-installed ] || [ setup.py -nt .venv/.tierckpt-installed ] \
     || [ tierckpt/_hostcopy.c -nt .venv/.tierckpt-installed ]; then
   "$VPY" -m pip install -q -e ".[test,bench]"

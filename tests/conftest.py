@@ -1,7 +1,14 @@
-"""Shared fixtures: a real S3-protocol server on loopback (moto), stores of every backend.
+"""Shared fixtures: a real S3-protocol server on loopback (moto), stores of every backend; how the suite shares
+parallel workers.
 
 The S3 server is started once per session (``ThreadedMotoServer`` on 127.0.0.1, port chosen by the OS); each test
-gets its own bucket. Credentials are dummies set in the environment only while the session runs.
+gets its own bucket. Credentials are dummies set in the environment only while the session runs. Under
+pytest-xdist (``scripts/test.sh`` runs ``-n auto --dist loadfile``, a worker per core) a session is one worker:
+each worker has its own server, on its own port, and its own buckets.
+
+Parallel runs: a test file runs whole on one worker (its module-scoped fixtures are built once), the files with
+the slowest work are handed out first (:data:`SLOW_FIRST`), and the tests that measure a process's memory, mount a
+file system or drop the page cache take turns across workers (:data:`SERIAL`, :data:`SERIAL_FIXTURES`).
 """
 
 from __future__ import annotations
@@ -74,7 +81,8 @@ def s3_admin(s3_server: S3Server):
 @pytest.fixture
 def s3_bucket(s3_admin) -> Iterator[str]:
     """A fresh, empty bucket; yields its ``s3://`` URL."""
-    name = f"tierckpt-test-{next(_bucket_ids)}-{secrets.token_hex(3)}"
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")  # each worker has its own server, and its own names
+    name = f"tierckpt-test-{worker}-{next(_bucket_ids)}-{secrets.token_hex(3)}"
     s3_admin.mkdir(name)
     try:
         yield f"s3://{name}"
@@ -143,3 +151,84 @@ def make_store(request, tmp_path) -> Iterator[Callable[..., Store]]:
 def store(request, make_store) -> Store:
     """One store per backend kind (the contract suite runs once for each)."""
     return make_store(request.param)
+
+
+# --------------------------------------------------------------------------------------------- parallel workers
+#: Tests that must not run at the same time as another test of their group, on any worker, by node id prefix (a
+#: module, or a test of it): "process-memory", they measure a process's memory (its RSS, peak, huge pages, traced
+#: allocations, an address-space limit); "page-cache", they drop the whole machine's page cache (the benchmarks'
+#: cold reads) or assert how much of a file it holds.
+SERIAL = {
+    "tests/snapshot/test_staging_memory.py": "process-memory",
+    "tests/snapshot/test_staging_huge_pages.py": "process-memory",
+    "tests/reliability/test_soak.py": "process-memory",
+    "tests/reliability/test_resource_limits.py": "process-memory",
+    "tests/reliability/test_hostile.py": "process-memory",
+    "tests/bench/test_adjacent.py": "page-cache",
+    "tests/bench/test_restart.py": "page-cache",
+    "tests/storage/test_local_direct_reads.py": "page-cache",
+    "tests/tiers/test_bounce.py": "page-cache",
+    "tests/engine/test_restore_guarded.py": "page-cache",
+    "tests/cli/test_remote.py::test_sync_writes_a_posix_remote_around_the_page_cache": "page-cache",
+}
+#: The same by a fixture the test uses: "mount", they mount a tmpfs (root only).
+SERIAL_FIXTURES = {"tiny_fs": "mount", "read_only_dir": "mount"}
+
+#: The files with the slowest work (about 10 s or more on 2 cores, see --durations), handed out first in this
+#: order; the other files follow in collection order. A missing or renamed entry only changes the order.
+SLOW_FIRST = (
+    "tests/project/test_examples.py",
+    "tests/distributed/test_multi_process.py",
+    "tests/bench/test_request_counts.py",
+    "tests/integrations/test_lightning.py",
+    "tests/reliability/test_resource_limits.py",
+    "tests/reliability/test_outage.py",
+    "tests/integrations/test_dcp.py",
+    "tests/distributed/test_reshard.py",
+    "tests/reliability/test_rollback_uploads.py",
+    "tests/reliability/test_shared_remote.py",
+    "tests/cli/test_faults.py",
+    "tests/reliability/test_remote_s3_faults.py",
+    "tests/bench/test_restart.py",
+    "tests/storage/test_s3upload.py",
+    "tests/integrations/test_teardown_outage.py",
+)
+
+
+def _serial_group(item: pytest.Item) -> str | None:
+    for prefix, group in SERIAL.items():
+        if item.nodeid == prefix or item.nodeid.startswith((prefix + "::", prefix + "[")):
+            return group
+    return next((SERIAL_FIXTURES[n] for n in getattr(item, "fixturenames", ()) if n in SERIAL_FIXTURES), None)
+
+
+@pytest.fixture(autouse=True)
+def _serial_across_workers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, a test of a serial group (:data:`SERIAL`, :data:`SERIAL_FIXTURES`) holds its
+    group's lock, a file shared by this run's workers only, for its whole length (set up before its other
+    fixtures)."""
+    group = _serial_group(request.node)
+    if group is None or not hasattr(request.config, "workerinput"):
+        yield
+        return
+    import fcntl
+
+    # a worker's base folder is <this run's folder>/popen-gwN: the parent is this run's, and no other run's
+    path = tmp_path_factory.getbasetemp().parent / f"serial-{group}.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker: the files of :data:`SLOW_FIRST` first, in its order (``--dist loadfile`` hands
+    out whole files in collection order with ``--no-loadscope-reorder``), so that the workers finish together.
+    Every worker sorts alike; a run without xdist is left as collected."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {prefix: i for i, prefix in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(SLOW_FIRST)))  # stable: files stay whole
