@@ -234,9 +234,16 @@ def _ddp(phase: str, out, remote: str | None = None) -> list[dict]:
     return [json.load(open(os.path.join(out, f"{phase}-r{r}.json"))) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def ddp_straight(tmp_path_factory):
+    """Each rank's result of the uninterrupted 2-process DDP run (2N steps, no checkpoints): the same for both
+    resume cases below, so run once."""
+    return _ddp("straight", tmp_path_factory.mktemp("ddp-straight"))
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("wipe_local", [False, True], ids=["same-node", "remote-only"])
-def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local):
+def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local, ddp_straight):
     """A 2-process DDP job saves through the plug-in (rank 0) and a new job resumes from "last" on both ranks: rank
     1 reads rank 0's folder without its lock (or the remote when that folder is gone), and both end with the
     weights of an uninterrupted run."""
@@ -247,7 +254,7 @@ def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local):
     if wipe_local:
         shutil.rmtree(tmp_path / "local")
     resumed = _ddp("resume", tmp_path, remote)
-    straight = _ddp("straight", tmp_path)
+    straight = ddp_straight
     for r in range(2):
         assert resumed[r]["loaded_step"] == 4 and resumed[r]["global_step"] == 8, resumed[r]
         assert resumed[r]["weights"] == straight[r]["weights"], f"rank {r} diverged from the uninterrupted run"
