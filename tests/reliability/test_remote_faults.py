@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests._support.helpers import assert_tree_equal
+from tests._support.remote import wait_for
 from tierckpt import CheckpointManager, UploadError
 from tierckpt.storage.faulty import FaultyStore
 from tierckpt.tiers.listing import list_root
@@ -147,17 +148,16 @@ def test_a_failed_upload_leaves_the_local_tier_within_its_bound(tmp_path: Path) 
     gate = threading.Event()
     mgr = CheckpointManager(tmp_path / "local", remote=str(tmp_path / "remote"), keep_local=1, max_upload_backlog=0,
                             pin_memory=False, log_records=False)
-    faulty = FaultyStore(mgr.remote, fail={"makedirs": "all", "open_write": "all", "write_bytes": "all"},
+    # every write fails but the first, the run identity that the first upload claims the remote with: were that
+    # refused, no upload would start
+    faulty = FaultyStore(mgr.remote, fail={"makedirs": "all", "open_write": "all", "write_bytes": range(2, 1000)},
                          error_factory=_denied, stall={"makedirs": (1.0, [1])}, sleep=lambda _s: gate.wait(30))
     mgr.remote = faulty
     try:
         mgr.save(1, _state(1, 100)).persisted.result(timeout=30)
-        deadline = time.monotonic() + 30
-        while faulty.plan.calls["makedirs"] < 1 and time.monotonic() < deadline:  # step 1's upload is in flight
-            time.sleep(0.01)
+        wait_for(lambda: faulty.plan.calls["makedirs"] >= 1, 30)  # step 1's upload is in flight
         mgr.save(2, _state(2, 100)).persisted.result(timeout=30)
-        while 2 not in mgr.health().waiting and time.monotonic() < deadline:  # committed; retention ran
-            time.sleep(0.01)
+        wait_for(lambda: 2 in mgr.health().waiting, 30)  # committed; retention ran
         gate.set()  # step 1's upload now fails
         with pytest.raises(UploadError):
             mgr.wait(timeout=60)
