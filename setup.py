@@ -5,8 +5,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "tierckpt._hostcopy",
-            sources=["tierckpt/_hostcopy.c"],
+            "tierckpt.host._hostcopy",
+            sources=["tierckpt/host/_hostcopy.c"],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         )

@@ -9,12 +9,13 @@ fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   # 2.13.0 is the CPU wheel available on our machines; tierckpt itself accepts torch >= 2.4.
-  "$VPY" -m pip install -q --upgrade pip >/dev/null
+  # setuptools as new as [build-system] requires, so that the packaging test builds offline
+  "$VPY" -m pip install -q --upgrade pip "setuptools>=77" >/dev/null
   "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 if ! "$VPY" -c "import tierckpt, pytest, xdist, sybil, moto, s3fs, hypothesis, lightning, transformers, mypy, prometheus_client, mkdocs, material, mkdocstrings_handlers.python" >/dev/null 2>&1 \
     || [ pyproject.toml -nt .venv/.tierckpt-installed ] || [ setup.py -nt .venv/.tierckpt-installed ] \
-    || [ tierckpt/_hostcopy.c -nt .venv/.tierckpt-installed ]; then
+    || [ tierckpt/host/_hostcopy.c -nt .venv/.tierckpt-installed ]; then
   "$VPY" -m pip install -q -e ".[test,bench]"
   touch .venv/.tierckpt-installed
 fi

@@ -4,7 +4,7 @@ set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 .venv/bin/ruff check tierckpt tests benchmarks examples docs
 .venv/bin/mypy  # strict type checks of format/ and storage/ (pyproject.toml [tool.mypy])
-# the native host copy (tierckpt/_hostcopy.c) is optional for users, but here it must have been built
+# the native host copy (tierckpt/host/_hostcopy.c) is optional for users, but here it must have been built
 export TIERCKPT_EXPECT_NATIVE=1
 # one pytest-xdist worker per core (TIERCKPT_TEST_WORKERS=N overrides, 0 runs in this process), a whole test file
 # per worker, the slowest files first (tests/conftest.py); the ten slowest tests are listed at the end

@@ -31,7 +31,7 @@ from .status import StepInfo
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from ._load import LoadResult
+    from .engine.load import LoadResult
     from .manager import CheckpointManager
 
 
@@ -42,7 +42,7 @@ def __getattr__(name: str):
 
         return CheckpointManager
     if name == "LoadResult":  # what CheckpointManager.load returns (its module imports torch too)
-        from ._load import LoadResult
+        from .engine.load import LoadResult
 
         return LoadResult
     raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")

@@ -16,7 +16,7 @@ rank 0's wait run out after ``collective_timeout_s``; rank 0 then answers every 
 that never arrived. If rank 0 itself dies, the others' waits for its answer run out after twice that time, with an
 error saying so.
 
-Agreements carry JSON of a fixed set of types (:mod:`._messages`): nothing a rank reads from the store is
+Agreements carry JSON of a fixed set of types (:mod:`.engine.messages`): nothing a rank reads from the store is
 unpickled.
 
 The upload thread coordinates through the same store (:class:`StoreChannel`): rank 0's replication decisions and
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._messages import Codec, MessageError
+from .engine.messages import Codec, MessageError
 from .errors import CheckpointError
 from .format.manifest import RankRef, StepManifest
 from .tiers.listing import TierListings
@@ -264,7 +264,7 @@ class _Failed:
         return CheckpointError(f"ranks could not agree ({what}): {self.message}", step=step)
 
 
-#: What agreements carry: JSON with a fixed set of types (:mod:`._messages`), never pickle.
+#: What agreements carry: JSON with a fixed set of types (:mod:`.engine.messages`), never pickle.
 _CODEC = Codec((StepManifest, RankRef, TierListings, _Failed))
 
 

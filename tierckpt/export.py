@@ -12,7 +12,7 @@ several names (tied weights) is written under each name, from the same memory (s
 storage between names; ``from_pretrained`` ties such weights again on load, and finds every name it expects).
 
 Reading: the checkpoint root is opened read-only (never as a :class:`~tierckpt.CheckpointManager`, whose folder lock
-a live job holds) and read through the template-free loader (:mod:`._load`): only ``state[key]``'s byte ranges,
+a live job holds) and read through the template-free loader (:mod:`.engine.load`): only ``state[key]``'s byte ranges,
 every byte verified against its checksum; a corrupt or missing copy falls back to the other tier's, then (without
 ``step``) to the next older step, with a warning. A multi-rank step (DTensor/FSDP2 shards) is exported as the full,
 unsharded tensors: each global tensor is allocated once and every rank's shards are read (one rank at a time,
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _load
+from .engine import load as _load
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .format import layout
 from .format.safetensors import build_header

@@ -33,14 +33,19 @@ from typing import Any
 
 import torch
 
-from . import _gc, _load, _restore, _rollback, _sharded, _uploads
-from ._engine import Components, Engine
-from ._memory import huge_pages_available
-from ._pipeline import SavePipeline
-from ._records import BackgroundErrors, SaveLog, record_hooks
 from .distributed import Coordinator, rank_and_world
+from .engine import load as _load
+from .engine import restore as _restore
+from .engine import rollback as _rollback
+from .engine import sharded as _sharded
+from .engine import uploads as _uploads
+from .engine.core import Components, Engine
+from .engine.pipeline import SavePipeline
+from .engine.records import BackgroundErrors, SaveLog, record_hooks
 from .errors import CheckpointError
 from .handle import SaveHandle, SaveRecord
+from .host import gcpause as _gc
+from .host.memory import huge_pages_available
 from .options import (
     DistributedOptions,
     LocalTierOptions,
@@ -216,7 +221,7 @@ class CheckpointManager:
     @property
     def components(self) -> Components:
         """The manager's components (staging pool, save pipeline, engine, replicator, coordinator), for
-        diagnostics and tests; see :class:`~tierckpt._engine.Components`."""
+        diagnostics and tests; see :class:`~tierckpt.engine.core.Components`."""
         return Components(staging=self._engine.pool, pipeline=self._pipeline, engine=self._engine,
                           replicator=self._replicator, coordinator=self._coord)
 
@@ -251,7 +256,7 @@ class CheckpointManager:
             RollbackError: a newer step is committed and :meth:`rollback_to` was not called.
             TypeError: a value cannot be stored (named by its key path).
         """
-        # a save builds a few objects per tensor and none in cycles: no collection pass in the middle (see _gc)
+        # a save builds a few objects per tensor and none in cycles: no collection pass in the middle (host/gcpause.py)
         with _gc.paused():
             return self._save(step, state, metadata)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import _load
+from .engine import load as _load
 from .errors import CheckpointNotFoundError
 from .storage.base import Store
 from .storage.open import is_url, open_store

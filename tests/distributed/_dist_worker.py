@@ -78,7 +78,7 @@ LOADS: list[tuple[str, int]] = []
 
 def spy_on_loads() -> None:
     """Record which tier each successful per-rank load came from (the manager calls ``_restore.prepare``)."""
-    from tierckpt import _restore
+    from tierckpt.engine import restore as _restore
 
     orig = _restore.prepare
 
@@ -105,7 +105,7 @@ def guarded_restore_into_empty(mgr, rank: int, **kw: Any) -> dict[str, Any]:
     is otherwise read in place), recording the bytes each of this rank's undo logs put back."""
     from unittest import mock
 
-    from tierckpt import _restore
+    from tierckpt.engine import restore as _restore
     from tierckpt.tiers.undo import UndoLog
 
     put_back: list[int] = []

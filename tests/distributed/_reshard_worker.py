@@ -363,7 +363,7 @@ def job_load4(job: Job) -> None:
     def index_reads() -> dict[str, Any]:
         """Saved on 4 ranks as Shard(0) of a 1-D mesh, restored on the (2, 2) mesh as (Shard(0), Replicate): the
         rank at (i, j) needs rows 4i..4i+3, saved by ranks 2i and 2i+1, and reads only those ranks' manifests."""
-        import tierckpt._restore as restore_mod
+        import tierckpt.engine.restore as restore_mod
 
         full = {"x": torch.arange(24, dtype=torch.float32).reshape(8, 3)}
         with manager(root, f"ix{rank}", "ixremote") as m:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tierckpt._messages import ERRORS, Codec, MessageError
 from tierckpt.distributed import _CODEC, Coordinator
+from tierckpt.engine.messages import ERRORS, Codec, MessageError
 from tierckpt.errors import CheckpointError, StorageError
 from tierckpt.format.manifest import RankRef, StepManifest
 from tierckpt.tiers.listing import TierListings

@@ -4,7 +4,7 @@ Two levels, both in this process, no torch.distributed:
 
 - the storage protocol of :mod:`tierckpt.tiers.sharded`, called directly on a LocalStore with world-size-2 steps
   built by hand (discard_shard, commit_step and its cleanup, holds_rank);
-- the manager's multi-rank paths (:mod:`tierckpt._sharded`) as rank 0 of a world of 2, with rank 1 scripted: a fake
+- the manager's multi-rank paths (:mod:`tierckpt.engine.sharded`) as rank 0 of a world of 2, rank 1 scripted: a fake
   coordinator hands rank 0's answer functions what rank 1 would have sent, or fails as when rank 1 never arrives.
 """
 
@@ -29,9 +29,9 @@ from tierckpt import (
     CorruptCheckpointError,
     StateMismatchError,
     UploadError,
-    _sharded,
 )
 from tierckpt.distributed import AgreementError, Coordinator, Lane, Topology
+from tierckpt.engine import sharded as _sharded
 from tierckpt.format import hashing, layout
 from tierckpt.format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
 from tierckpt.format.safetensors import build_header

@@ -25,8 +25,9 @@ from tests._support.helpers import (
     tensor_bytes,
     train_steps,
 )
-from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
-from tierckpt._memory import buffer_address
+from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt.engine import restore as _restore
+from tierckpt.host.memory import buffer_address
 from tierckpt.snapshot.staging import aligned_empty
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import DIRECT_ALIGN, LocalStore

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests._support.helpers import assert_tree_equal, clone_tree
-from tierckpt import CheckpointManager, StateMismatchError, _restore
+from tierckpt import CheckpointManager, StateMismatchError
+from tierckpt.engine import restore as _restore
 from tierckpt.snapshot.loadbatch import overlaps_itself
 
 pytestmark = pytest.mark.timeout(120)

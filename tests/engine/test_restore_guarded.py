@@ -25,7 +25,8 @@ from tests._support.helpers import (
     flip_byte,
     step_path,
 )
-from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
+from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt.engine import restore as _restore
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import reader
 from tierckpt.tiers.undo import UndoLog

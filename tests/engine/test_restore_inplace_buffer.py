@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests._support.helpers import assert_tensor_equal, step_path
-from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
+from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt.engine import restore as _restore
 from tierckpt.snapshot import staging
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.reader import read_manifests

@@ -13,7 +13,7 @@ import torch
 
 import tierckpt
 from tests._support.helpers import assert_tree_equal, clone_tree, save_once, zeros_like_tree
-from tierckpt import _restore
+from tierckpt.engine import restore as _restore
 from tierckpt.errors import StateMismatchError
 from tierckpt.format.manifest import TensorRecord
 from tierckpt.snapshot.loaded import tensor_view_factory

@@ -7,6 +7,9 @@ not; the implicit import of a module's parent packages is not an edge):
 - ``tierckpt.format`` imports nothing of tierckpt outside ``format`` but the leaves in :data:`FORMAT_LEAVES`;
 - ``tierckpt.storage`` imports only ``storage``, ``format`` and the torch-free helpers in :data:`STORAGE_LEAVES`;
 - ``tierckpt.tiers`` never imports the engine (:data:`ENGINE`) or the CLI;
+- only the engine and :data:`ENGINE_USERS` import ``tierckpt.engine``, the manager's private components;
+- the package's top level holds public modules only (and :data:`TOP_LEVEL_PRIVATE`): the private pieces
+  live in the folders of their layer;
 - nothing outside ``tierckpt.cli`` imports the CLI, except the ``python -m tierckpt`` entry point;
 - ``format``, ``storage``, ``tiers`` and ``cli``, and every module they import, directly or not, import no torch;
 - ``tierckpt ls`` and ``tierckpt verify`` run in a process where ``import torch`` fails.
@@ -36,11 +39,15 @@ PACKAGE = REPO_ROOT / "tierckpt"
 FORMAT_LEAVES = frozenset({"tierckpt.errors", "tierckpt._version"})
 #: What ``tierckpt.storage`` may import of tierckpt outside ``storage`` and ``format``: torch-free helpers that import
 #: nothing of tierckpt but each other.
-STORAGE_LEAVES = FORMAT_LEAVES | {"tierckpt.faults", "tierckpt._memory", "tierckpt._libc"}
-#: The engine: what drives tiers, never driven by them.
-ENGINE = ("tierckpt.manager", "tierckpt._engine", "tierckpt._restore", "tierckpt._load", "tierckpt._sharded",
-          "tierckpt.replication",
-          "tierckpt.distributed", "tierckpt._messages")
+STORAGE_LEAVES = FORMAT_LEAVES | {"tierckpt.faults", "tierckpt.host.memory", "tierckpt.host.libc"}
+#: The engine: what drives tiers, never driven by them (packages include their modules).
+ENGINE = ("tierckpt.manager", "tierckpt.engine", "tierckpt.replication", "tierckpt.distributed")
+#: What may import the manager's private components (``tierckpt.engine``) besides the engine itself: the package's
+#: lazy exports and the public modules that read steps without a manager of their own.
+ENGINE_USERS = frozenset({"tierckpt", "tierckpt.manager", "tierckpt.distributed", "tierckpt.export",
+                          "tierckpt.readonly", "tierckpt.dcp._reader"})
+#: The only private modules at the package's top level: the version and the ``python -m tierckpt`` entry point.
+TOP_LEVEL_PRIVATE = frozenset({"tierckpt._version", "tierckpt.__main__"})
 #: Packages that never load torch, nor does anything they import.
 TORCH_FREE = ("tierckpt.format", "tierckpt.storage", "tierckpt.tiers", "tierckpt.cli")
 #: CLI commands that work on tensors (``export`` casts and writes them): the parser imports them only when that
@@ -176,8 +183,8 @@ def test_the_import_reader_sees_every_runtime_import() -> None:
     # and on the real package: a function-level import counts, a TYPE_CHECKING one does not
     assert "tierckpt.manager" in {i.target for i in GRAPH["tierckpt"]}  # the lazy ``__getattr__``
     assert any(i.target == "tierckpt.tiers.reader" for i in GRAPH["tierckpt.tiers.uploader"])
-    assert len(MODULES) > 60 and "tierckpt.cli._common" in MODULES and "tierckpt._hostcopy" in EXTENSIONS
-    assert any(i.target == "tierckpt._hostcopy" for i in GRAPH["tierckpt.snapshot.hostcopy"])
+    assert len(MODULES) > 60 and "tierckpt.cli._common" in MODULES and "tierckpt.host._hostcopy" in EXTENSIONS
+    assert any(i.target == "tierckpt.host._hostcopy" for i in GRAPH["tierckpt.snapshot.hostcopy"])
 
 
 # ----------------------------------------------------------------------------------------------------------- cycles
@@ -254,6 +261,20 @@ def test_tiers_never_import_the_engine_or_the_cli() -> None:
     _fail("tierckpt.tiers imports the engine or the CLI", offenders)
 
 
+def test_only_the_manager_and_its_readers_import_the_engine() -> None:
+    offenders = [str(i) for m in MODULES if not _in(m, "tierckpt.engine") and m not in ENGINE_USERS
+                 for i in _internal(m) if _in(i.target, "tierckpt.engine")]
+    _fail("a module outside the engine and its users imports tierckpt.engine", offenders)
+
+
+def test_the_top_level_holds_public_modules() -> None:
+    """The folder listing shows the architecture: a private module at the top belongs in its layer's folder."""
+    loose = [f"{m} ({MODULES[m].relative_to(REPO_ROOT)})" for m in MODULES
+             if m.count(".") == 1 and m.split(".")[1].startswith("_") and m not in TOP_LEVEL_PRIVATE]
+    loose += [f"{e} (compiled)" for e in EXTENSIONS if e.count(".") == 1]
+    _fail("private modules at the package's top level", loose)
+
+
 def test_only_the_cli_imports_the_cli() -> None:
     offenders = [str(i) for m in MODULES if not _in(m, "tierckpt.cli") and m not in CLI_ENTRY_POINTS
                  for i in _internal(m) if _in(i.target, "tierckpt.cli")]
@@ -299,7 +320,8 @@ def _torch_loads(tree: ast.AST) -> list[int]:
 
 def test_nothing_is_unpickled() -> None:
     """No module imports an unpickler or calls ``torch.load`` but with ``weights_only=True``: checkpoints are
-    safetensors and JSON, and the ranks' agreements are JSON of a fixed set of types (:mod:`tierckpt._messages`)."""
+    safetensors and JSON, and the ranks' agreements are JSON of a fixed set of types
+    (:mod:`tierckpt.engine.messages`)."""
     assert _torch_loads(ast.parse("x = torch.load(f)\ny = json.load(f)\nz = torch.load(f, weights_only=False)\n"
                                   "w = torch.load(f, weights_only=True)")) == [1, 3]
     offenders = [str(i) for m in MODULES for i in GRAPH[m] if i.target in UNPICKLERS]

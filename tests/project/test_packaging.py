@@ -101,7 +101,7 @@ def test_the_sdist_holds_the_license_and_the_c_source(dists: tuple[Path, Path]) 
         pkg_info = tar.extractfile(f"{top}/PKG-INFO")
         assert pkg_info is not None
         meta = Parser().parsestr(pkg_info.read().decode())
-    for needed in ("LICENSE", "pyproject.toml", "setup.py", "tierckpt/_hostcopy.c", "tierckpt/py.typed",
+    for needed in ("LICENSE", "pyproject.toml", "setup.py", "tierckpt/host/_hostcopy.c", "tierckpt/py.typed",
                    "tierckpt/cli/__init__.py"):
         assert needed in names, needed
     assert not [n for n in names if n.endswith((".so", ".pyd", ".pyc"))], names  # no build output of a checkout
@@ -125,4 +125,4 @@ def test_the_wheel_ships_the_license_and_the_module_but_not_the_c_source(dists: 
     # the native copy is optional (a build without a C compiler still succeeds); with one it is in the wheel
     if sysconfig.get_config_var("CC") and shutil.which(str(sysconfig.get_config_var("CC")).split()[0]):
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
-        assert f"tierckpt/_hostcopy{suffix}" in names, sorted(names)
+        assert f"tierckpt/host/_hostcopy{suffix}" in names, sorted(names)

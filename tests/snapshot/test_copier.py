@@ -85,7 +85,7 @@ def _assert_state_equal(got: dict, want: dict, where: str = "state") -> None:
 def native_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records the bytes of every call into the native copy."""
     if not hostcopy.available:
-        pytest.skip("the native host copy (tierckpt._hostcopy) is not built")
+        pytest.skip("the native host copy (tierckpt.host._hostcopy) is not built")
     real = hostcopy._hostcopy
     calls: list[int] = []
 

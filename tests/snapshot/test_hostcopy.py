@@ -1,4 +1,4 @@
-"""The native host copy (``tierckpt/_hostcopy.c`` through :mod:`tierckpt.snapshot.hostcopy`): every byte of every
+"""The native host copy (``tierckpt/host/_hostcopy.c`` through :mod:`tierckpt.snapshot.hostcopy`): every byte of every
 range lands, nothing around a range changes, whatever the sizes, alignments and thread counts; tensors it must not
 copy byte for byte go back to torch; and tierckpt works, falling back to torch, where the extension is missing.
 
@@ -29,7 +29,7 @@ SIZES = [0, 1, 63, 64, 65, 4095, 16383, 16384, 16385, (1 << 20) + 13, (4 << 20) 
 def test_the_native_copy_is_built() -> None:
     if os.environ.get("TIERCKPT_EXPECT_NATIVE") != "1":
         pytest.skip("TIERCKPT_EXPECT_NATIVE is not set (scripts/test.sh sets it)")
-    assert hostcopy.available, "tierckpt._hostcopy was not built: is a C compiler installed?"
+    assert hostcopy.available, "tierckpt.host._hostcopy was not built: is a C compiler installed?"
     if platform.machine() in ("x86_64", "AMD64"):
         assert hostcopy.streaming
 
@@ -257,7 +257,7 @@ print("ok")
 @pytest.mark.parametrize("how", ["not_built", "env_off"])
 def test_save_and_restore_fall_back_to_torch(tmp_path: Path, how: str) -> None:
     """Without the extension (not built, or ``TIERCKPT_HOSTCOPY=0``) a save and a restore go through torch."""
-    block = "sys.modules['tierckpt._hostcopy'] = None  # as if the build had failed" if how == "not_built" else ""
+    block = "sys.modules['tierckpt.host._hostcopy'] = None  # as if the build had failed" if how == "not_built" else ""
     env = dict(os.environ, TIERCKPT_HOSTCOPY="0" if how == "env_off" else "1")
     out = subprocess.run([sys.executable, "-c", _ROUND_TRIP.format(block=block), str(tmp_path / "c")],
                          capture_output=True, text=True, timeout=120, env=env)

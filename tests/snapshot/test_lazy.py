@@ -18,7 +18,7 @@ import torch
 
 from tests._support.helpers import assert_tensor_equal
 from tierckpt import CheckpointManager
-from tierckpt._pipeline import SavePipeline
+from tierckpt.engine.pipeline import SavePipeline
 from tierckpt.snapshot import copier
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tests._support.helpers import assert_tensor_equal, direct_io_supported
 from tierckpt import CheckpointManager
-from tierckpt._memory import HUGE_PAGE, anonymous_buffer, buffer_address, huge_pages_available
+from tierckpt.host.memory import HUGE_PAGE, anonymous_buffer, buffer_address, huge_pages_available
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -141,7 +141,7 @@ def _resident_fraction(buf: torch.Tensor) -> float:
     """The share of the (page-aligned) buffer's pages that are in memory, from ``mincore``."""
     import ctypes
 
-    from tierckpt._libc import libc_function
+    from tierckpt.host.libc import libc_function
 
     mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p], ctypes.c_int)
     if mincore is None:

@@ -18,7 +18,7 @@ import torch
 
 from tests._support.helpers import assert_tensor_equal, cached_fraction, data_files, direct_io_supported, step_path
 from tierckpt import CheckpointManager, CorruptCheckpointError
-from tierckpt._memory import buffer_address
+from tierckpt.host.memory import buffer_address
 from tierckpt.snapshot.staging import aligned_empty
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import DIRECT_ALIGN, LocalStore
@@ -194,7 +194,7 @@ def test_uncached_files_are_read_in_the_larger_direct_chunks(tmp_path: Path, mon
     tests/engine/test_restore_guarded.py.)"""
     if not direct_io_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")
-    from tierckpt import _restore
+    from tierckpt.engine import restore as _restore
     from tierckpt.tiers import reader
 
     monkeypatch.setattr(_restore, "GUARD_MIN_SHARE", 2.0)  # never guarded: every byte staged

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from tests._support.helpers import assert_tensor_equal, data_files, direct_io_supported, evict_data_files, step_path
-from tierckpt import CheckpointManager, CorruptCheckpointError, _restore
-from tierckpt._memory import buffer_address
+from tierckpt import CheckpointManager, CorruptCheckpointError
+from tierckpt.engine import restore as _restore
 from tierckpt.format import hashing
+from tierckpt.host.memory import buffer_address
 from tierckpt.storage import local as local_mod
 from tierckpt.storage.local import cached_share
 from tierckpt.tiers import reader

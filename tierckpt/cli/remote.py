@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from .._memory import huge_pages_available
 from ..errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -42,6 +41,7 @@ from ..errors import (
 )
 from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, StepManifest
+from ..host.memory import huge_pages_available
 from ..storage import folder_lock
 from ..storage.base import Store, join
 from ..storage.failures import translate, with_deadline

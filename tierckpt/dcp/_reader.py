@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from .. import _load, readonly
+from .. import readonly
+from ..engine import load as _load
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..tiers.listing import list_tiers
 from ..tiers.reader import read_step

@@ -1,5 +1,5 @@
 """Snapshot: all tensor work, from a live state to host bytes and back. With the manager's orchestration
-(``manager``, ``_restore``, ``_load``, ``distributed``) the only code that imports torch; ``format``, ``storage``
+(``manager``, ``engine``, ``distributed``) the only code that imports torch; ``format``, ``storage``
 and ``tiers`` never do.
 
 - :mod:`.tree`: a state mapping -> a type-tagged JSON tree plus its tensor leaves (``flatten``, memoised across saves).

@@ -7,7 +7,7 @@ skip the cache and that read, move two: a 2 GiB state of 592 tensors copied in 0
 on this project's 2-core VM. glibc streams only copies larger than about 3/4 of the shared cache, and torch's
 ``copy_`` never does.
 
-The copying is the optional C extension :mod:`tierckpt._hostcopy` (``tierckpt/_hostcopy.c``). Where it was not
+The copying is the optional C extension :mod:`tierckpt.host._hostcopy` (``tierckpt/host/_hostcopy.c``). Where it was not
 built (no compiler at install time) :data:`available` is False and every caller falls back to ``copy_``; where the
 CPU is not x86-64 it copies with ``memcpy`` on the same threads.
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 try:
-    from .. import _hostcopy
+    from ..host import _hostcopy
 except ImportError:  # not built: the callers use torch's copy_
     _hostcopy = None
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._libc import libc_function
-from .._memory import anonymous_buffer
 from ..errors import CheckpointError
 from ..format.plan import SnapshotPlan
+from ..host.libc import libc_function
+from ..host.memory import anonymous_buffer
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class StagingPool:
     def __init__(self, *, slots: int, pin: bool, huge: bool = False) -> None:
         self.pin = pin
         #: pageable buffers go on transparent huge pages (:func:`aligned_empty`); they are kept and reused, which is
-        #: what a huge page's larger first-touch cost on some VMs needs (:mod:`tierckpt._memory`)
+        #: what a huge page's larger first-touch cost on some VMs needs (:mod:`tierckpt.host.memory`)
         self.huge = huge
         self._slots = [Slot(i) for i in range(slots)]
         self._free = list(self._slots)
@@ -361,7 +361,7 @@ class Populator:
 def aligned_empty(size: int, *, pin: bool, huge: bool = False) -> torch.Tensor:
     """A 1-D uint8 tensor of ``size`` bytes whose first byte sits on a :data:`BUFFER_ALIGN` boundary.
 
-    Pageable buffers are private anonymous memory (:func:`tierckpt._memory.anonymous_buffer`): with ``huge`` on
+    Pageable buffers are private anonymous memory (:func:`tierckpt.host.memory.anonymous_buffer`): with ``huge`` on
     transparent huge pages where the kernel offers them (direct reads and writes of it move fewer, larger DMA
     segments), without it advised off them whatever the heap around it was advised. Pinned buffers come from
     torch (the CUDA driver allocates them), which aligns large blocks to 64 bytes or to a page plus a header; one

@@ -40,10 +40,10 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from .. import faults
-from .._libc import libc_function
-from .._memory import anonymous_buffer, buffer_address
 from ..errors import CheckpointError, StorageError
 from ..format import layout
+from ..host.libc import libc_function
+from ..host.memory import anonymous_buffer, buffer_address
 from .base import Store, WriteStream, join
 from .files import refused
 
@@ -256,7 +256,7 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str], *, tier: str = "local", create: bool = True,
                  direct_io: bool = False, huge_pages: bool = False) -> None:
         self.direct_io = bool(direct_io and _O_DIRECT)
-        #: ``iter_chunks(reuse=True)``'s buffer goes on transparent huge pages (:mod:`tierckpt._memory`)
+        #: ``iter_chunks(reuse=True)``'s buffer goes on transparent huge pages (:mod:`tierckpt.host.memory`)
         self.huge_pages = huge_pages
         self.direct_reads = self.direct_io
         self.root = os.path.abspath(os.fspath(root))

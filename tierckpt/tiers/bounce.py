@@ -27,7 +27,7 @@ import ctypes
 import mmap
 import threading
 
-from .._memory import anonymous_buffer, buffer_address
+from ..host.memory import anonymous_buffer, buffer_address
 
 #: Bytes per buffer: one direct read (the virtual disk of the reference VM splits requests at 4 MiB, so several are
 #: in flight per read).

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 
-from .._memory import buffer_address
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..host.memory import buffer_address
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.readahead import ReadAhead, each

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from .._memory import buffer_address
+from ..host.memory import buffer_address
 
 log = logging.getLogger(__name__)
 

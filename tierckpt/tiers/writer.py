@@ -26,10 +26,11 @@ from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import _gc, faults
+from .. import faults
 from ..errors import CheckpointError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
+from ..host import gcpause as _gc
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for
 from .tasks import results, submit_all
@@ -152,7 +153,7 @@ def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor
                         list(zip(names, snap.files)))
     if hash_executor is None:
         sums = results(writes)
-        with _gc.paused():  # tens of thousands of small objects for a large manifest, none in cycles (see _gc)
+        with _gc.paused():  # tens of thousands of small objects for a large manifest, none in cycles (gcpause)
             encoded = _encode_rank_manifest(snap, names, sums)
     else:
         # the hashes are ready long before the disk is done: build and encode the manifest meanwhile

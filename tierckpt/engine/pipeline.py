@@ -21,13 +21,15 @@ from typing import Any
 
 import torch
 
-from . import _gc, _sharded, faults
-from ._engine import Engine
-from .format import layout
-from .format.plan import SnapshotPlan, make_plan
-from .handle import SaveHandle
-from .snapshot import capture, copier, staging, tree
-from .tiers import writer
+from .. import faults
+from ..format import layout
+from ..format.plan import SnapshotPlan, make_plan
+from ..handle import SaveHandle
+from ..host import gcpause as _gc
+from ..snapshot import capture, copier, staging, tree
+from ..tiers import writer
+from . import sharded as _sharded
+from .core import Engine
 
 log = logging.getLogger(__name__)
 

@@ -31,24 +31,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
-from .format import hashing, layout
-from .format.manifest import RankManifest, RankRef, StepManifest
-from .format.shards import UnknownPlacement, mesh_key, overlaps, saved_box
-from .snapshot import hostcopy
-from .snapshot.dtensor import assemble, saved_layouts, target_box, to_live_layout
-from .snapshot.load import plan_restore
-from .snapshot.loaded import LoadedBuffer, byte_view, tensor_view_factory
-from .snapshot.staging import aligned_empty
-from .storage.base import Store, join
-from .storage.commit import protocol_for
-from .tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
-from .tiers.listing import TierListings, first_intact
-from .tiers.reader import PendingLoad, buffer_layout, fetch_file, read_ranks, read_step, start_load
-from .tiers.undo import UndoLog
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from ..format import hashing, layout
+from ..format.manifest import RankManifest, RankRef, StepManifest
+from ..format.shards import UnknownPlacement, mesh_key, overlaps, saved_box
+from ..snapshot import hostcopy
+from ..snapshot.dtensor import assemble, saved_layouts, target_box, to_live_layout
+from ..snapshot.load import plan_restore
+from ..snapshot.loaded import LoadedBuffer, byte_view, tensor_view_factory
+from ..snapshot.staging import aligned_empty
+from ..storage.base import Store, join
+from ..storage.commit import protocol_for
+from ..tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
+from ..tiers.listing import TierListings, first_intact
+from ..tiers.reader import PendingLoad, buffer_layout, fetch_file, read_ranks, read_step, start_load
+from ..tiers.undo import UndoLog
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from .core import Engine
 
 log = logging.getLogger(__name__)
 

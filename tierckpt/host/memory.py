@@ -28,7 +28,7 @@ import mmap
 import sys
 from functools import cache
 
-from ._libc import libc_function
+from .libc import libc_function
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .errors import (
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -20,20 +20,20 @@ from .errors import (
     StorageError,
     UploadError,
 )
-from .format import layout
-from .format.manifest import RankRef, StepManifest
-from .storage.base import Store
-from .storage.commit import read_step_manifest
-from .storage.failures import describe
-from .storage.retry import is_transient
-from .tiers import sharded
-from .tiers.listing import TierListings, list_tiers
-from .tiers.reader import read_step
-from .tiers.writer import RankSnapshot
+from ..format import layout
+from ..format.manifest import RankRef, StepManifest
+from ..storage.base import Store
+from ..storage.commit import read_step_manifest
+from ..storage.failures import describe
+from ..storage.retry import is_transient
+from ..tiers import sharded
+from ..tiers.listing import TierListings, list_tiers
+from ..tiers.reader import read_step
+from ..tiers.writer import RankSnapshot
 
 if TYPE_CHECKING:
-    from ._engine import Engine
-    from .distributed import Coordinator
+    from ..distributed import Coordinator
+    from .core import Engine
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Template-free loading: a committed step read back as plain Python values, with no state to load into
 (:meth:`CheckpointManager.load`).
 
-Choosing the copy is restore's rule (:mod:`._restore`): newest step first (or exactly the one asked for), the local
+Choosing the copy is restore's rule (:mod:`.restore`): newest step first (or exactly the one asked for), the local
 tier before the remote; a copy that is corrupt or missing (its manifest gone, a data file short, a checksum wrong,
 this rank's shard not held there) is logged with the files at fault and the next copy, then the next older step, is
 tried. A key that the step does not hold is not corruption: it raises at once.
@@ -38,27 +38,27 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
-from .format import hashing, layout
-from .format.manifest import RankManifest, StepManifest, TensorRecord
-from .snapshot.decode import decode_tree
-from .snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
-from .snapshot.loaded import byte_view
-from .snapshot.staging import aligned_empty
-from .storage.base import Store, join
-from .storage.readahead import ReadAhead
-from .tiers.backing import prove_backed
-from .tiers.listing import TierListings, first_intact
-from .tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
-from .tiers.stream import ends_early_error
-from .tiers.tasks import run_all
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from ..format import hashing, layout
+from ..format.manifest import RankManifest, StepManifest, TensorRecord
+from ..snapshot.decode import decode_tree
+from ..snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
+from ..snapshot.loaded import byte_view
+from ..snapshot.staging import aligned_empty
+from ..storage.base import Store, join
+from ..storage.readahead import ReadAhead
+from ..tiers.backing import prove_backed
+from ..tiers.listing import TierListings, first_intact
+from ..tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
+from ..tiers.stream import ends_early_error
+from ..tiers.tasks import run_all
 
 log = logging.getLogger(__name__)
 
 
 class Readers(Protocol):
     """What the readers here need: whose saved part to read and the io and hashing thread pools (a manager's
-    :class:`~tierckpt._engine.Engine`, or :class:`tierckpt.readonly.Reader` beside a job that owns the root)."""
+    :class:`~tierckpt.engine.core.Engine`, or :class:`tierckpt.readonly.Reader` beside a job that owns the root)."""
 
     rank: int
     io: Executor

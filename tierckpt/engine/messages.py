@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import (
+from ..errors import (
     StorageAccessError,
     StorageError,
     StorageTimeoutError,

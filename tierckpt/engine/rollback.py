@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .errors import RollbackError
-from .tiers import uploader
-from .tiers.listing import list_tiers
-from .tiers.verify import list_root
+from ..errors import RollbackError
+from ..tiers import uploader
+from ..tiers.listing import list_tiers
+from ..tiers.verify import list_root
 
 if TYPE_CHECKING:
-    from ._engine import Engine
-    from .replication import Replicator
+    from ..replication import Replicator
+    from .core import Engine
 
 log = logging.getLogger(__name__)
 

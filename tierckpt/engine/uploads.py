@@ -9,22 +9,22 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _sharded
-from .errors import RunConflictError, StorageError
-from .format import layout
-from .replication.health import Health
-from .status import StepInfo, list_steps
-from .storage.base import Store
-from .storage.commit import read_step_manifest
-from .storage.failures import with_deadline
-from .storage.retry import RetryPolicy
-from .tiers import identity, uploader
-from .tiers.listing import TierListings, list_tiers
-from .tiers.verify import list_root
+from ..errors import RunConflictError, StorageError
+from ..format import layout
+from ..replication.health import Health
+from ..status import StepInfo, list_steps
+from ..storage.base import Store
+from ..storage.commit import read_step_manifest
+from ..storage.failures import with_deadline
+from ..storage.retry import RetryPolicy
+from ..tiers import identity, uploader
+from ..tiers.listing import TierListings, list_tiers
+from ..tiers.verify import list_root
+from . import sharded as _sharded
 
 if TYPE_CHECKING:
-    from ._engine import Engine
-    from .replication import ReplicationPolicy, Replicator
+    from ..replication import ReplicationPolicy, Replicator
+    from .core import Engine
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What a :class:`~tierckpt.CheckpointManager` shares with the modules that restore and coordinate for it
-(:mod:`._restore`, :mod:`._sharded`): one object built by the manager, so that those modules use its tiers, thread
+(:mod:`.restore`, :mod:`.sharded`): one object built by the manager, so that those modules use its tiers, thread
 pools, staging pool and coordinator through named attributes instead of reaching into the manager.
 
 The engine owns one piece of state itself: the in-place restore's bounce buffers, made by the first restore that
@@ -13,15 +13,15 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .options import Options
-from .storage.base import Store
-from .tiers.bounce import BounceBuffers
+from ..options import Options
+from ..storage.base import Store
+from ..tiers.bounce import BounceBuffers
 
 if TYPE_CHECKING:
-    from .distributed import Coordinator
-    from .snapshot.staging import StagingPool
-    from .storage.local import LocalStore
-    from .tiers.identity import RunIdentity
+    from ..distributed import Coordinator
+    from ..snapshot.staging import StagingPool
+    from ..storage.local import LocalStore
+    from ..tiers.identity import RunIdentity
 
 
 class Engine:

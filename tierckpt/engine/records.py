@@ -9,9 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .format import layout
-from .handle import SaveHandle, SaveRecord
-from .storage.files import append_line
+from ..format import layout
+from ..handle import SaveHandle, SaveRecord
+from ..storage.files import append_line
 
 log = logging.getLogger(__name__)
 
