@@ -390,3 +390,26 @@ def test_ls_and_verify_run_without_torch(tmp_path: Path) -> None:
     assert "step 3: OK" in proc.stdout and "1 of 1 steps intact" in proc.stdout, out  # verify
     doc = json.loads(next(line for line in lines if line.startswith("{")))  # ls --json
     assert doc["ok"] and [s["step"] for s in doc["steps"]] == [3], out
+
+
+_NO_DTENSOR = textwrap.dedent("""
+    import sys
+    import torch
+    from tierckpt import CheckpointManager
+    state = {"w": torch.arange(12, dtype=torch.float32), "opt": {"step": 3}}
+    with CheckpointManager(sys.argv[1]) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        state["w"].zero_()
+        assert mgr.restore(state) == 1 and state["w"][5] == 5
+    print("LOADED", sorted(m for m in sys.modules if m.startswith("torch.distributed.tensor")))
+""")
+
+
+def test_a_job_without_dtensors_never_imports_them(tmp_path: Path) -> None:
+    """Importing ``torch.distributed.tensor`` costs each rank 0.8 s at start: tierckpt recognises DTensors once the
+    job has imported them itself, and a save and a restore of plain tensors never import them."""
+    proc = subprocess.run([sys.executable, "-c", _NO_DTENSOR, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LOADED []" in proc.stdout, proc.stdout + proc.stderr
