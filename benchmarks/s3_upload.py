@@ -6,42 +6,26 @@
 A committed local step of the benchmark state is replicated to moto's S3 server on loopback (in a process of its
 own) with the uploader's own call (``replicate_step``, what the manager runs after each save: it re-hashes the
 local files while it sends them and commits the remote step manifest last), once per part size and write
-concurrency, and, as the peer, copied with one plain recursive ``fs.put`` of s3fs (which sends up to 10 parts of a
-file at once and checks nothing). Cases are interleaved, each into a fresh prefix.
+concurrency, and, as the peer, copied with one plain recursive s3fs ``fs.put`` (up to 10 parts of a file at once,
+nothing checked). Cases are interleaved, each into a fresh prefix.
 
 Loopback has no round trip and no per-connection limit, unlike S3, where one connection gets a fraction of a node's
-bandwidth. ``--emulate RTT_MS:MBPS`` adds both: every S3 request of this process first waits ``RTT_MS``, and a
-part or object upload ends no sooner than ``MBPS`` megabytes a second on one connection would take to send it
-(an ``asyncio.sleep`` inside s3fs's request call, beside the real request: requests in flight overlap as real ones
+bandwidth. ``--emulate RTT_MS:MBPS`` adds both: every S3 request of this process first waits ``RTT_MS``, and a part
+or object upload ends no sooner than ``MBPS`` megabytes a second on one connection would take to send it (an
+``asyncio.sleep`` inside s3fs's request call, beside the real request: requests in flight overlap as real ones
 would, and moto's own work on a body overlaps its emulated transfer, as S3's does). ``0:0`` is loopback as it is.
-Reported: median seconds, GB/s and ratios to one part at a time and to the plain put.
+Reported: median seconds, GB/s and ratios to the first case and to the plain put.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
 import time
 from typing import Any
 
-from common import (
-    GiB,
-    add_output_args,
-    case_rows,
-    emit_table,
-    fresh_dir,
-    import_tierckpt,
-    markdown_table,
-    plain_put_s3,
-    remove,
-    s3_loopback,
-    scratch_dir,
-    settle,
-)
-from state import gpt_state, state_bytes
+import harness as h
 
-#: (round trip s, bytes/s per connection) in force for this process's S3 requests; (0, 0) = none
+#: (round trip s, bytes/s per connection) in force for this process's S3 requests; (0, 0): none
 _EMULATED: list[tuple[float, float]] = [(0.0, 0.0)]
 
 
@@ -60,8 +44,7 @@ def _emulate_requests() -> None:
             await asyncio.sleep(rtt)
         if not send:
             return await real(self, method, *args, **kwargs)
-        # S3 takes in a body while it arrives; moto parses it only once whole. Its work overlaps the emulated
-        # transfer, so the request ends when the slower of the two does, not after both one after the other.
+        # S3 takes a body in while it arrives, moto parses it once whole: the request ends with the slower of the two
         _, reply = await asyncio.gather(asyncio.sleep(send), real(self, method, *args, **kwargs))
         return reply
 
@@ -69,7 +52,8 @@ def _emulate_requests() -> None:
     s3fs.S3FileSystem.call_s3 = sync_wrapper(call)  # type: ignore[method-assign]
 
 
-def upload_once(tc: Any, local: Any, step: int, url: str, opts: dict[str, Any], wc: int, part: int) -> float:
+def upload_once(local: Any, step: int, url: str, opts: dict[str, Any], wc: int, part: int) -> float:
+    """Seconds of one ``replicate_step`` of ``step`` to ``url`` with ``wc`` parts of ``part`` bytes in flight."""
     from tierckpt.storage.open import open_store
     from tierckpt.tiers.uploader import replicate_step
 
@@ -83,71 +67,65 @@ def upload_once(tc: Any, local: Any, step: int, url: str, opts: dict[str, Any], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = h.Cli(__doc__, __file__)
     p.add_argument("--size-gib", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,4", help="remote_write_concurrency values, comma-separated")
     p.add_argument("--emulate", default="0:0,25:100", help="RTT_MS:MBPS per connection, comma-separated")
     p.add_argument("--part-mb", default="64", help="part sizes in MiB (the manager's upload_part_mb), comma-separated")
-    add_output_args(p)
-    a = p.parse_args(argv)
-    tc, why = import_tierckpt()
-    if tc is None:
-        print(f"s3 upload benchmark skipped: {why}")
-        return 0
+    a = p.parse(argv)
+    tc = h.need_tierckpt("s3 upload benchmark")
     from tierckpt.format import layout
     from tierckpt.storage.local import LocalStore
 
     emulations = [(float(r) / 1e3, float(m) * 1e6) for r, m in (x.split(":") for x in a.emulate.split(",") if x)]
-    wcs = [int(x) for x in a.concurrency.split(",") if x.strip()]
-    scratch = scratch_dir(a.dir)
-    state = gpt_state(int(a.size_gib * GiB))
-    nbytes = state_bytes(state)
-    parts = [int(x) for x in a.part_mb.split(",") if x.strip()]
+    wcs, parts = ([int(x) for x in v.split(",") if x.strip()] for v in (a.concurrency, a.part_mb))
+    scratch = h.scratch_dir(a.dir)
+    state = h.gpt_state(int(a.size_gib * h.GiB))
+    nbytes = h.state_bytes(state)
     settings = {(f"tierckpt wc={wc}" if len(parts) == 1 else f"tierckpt {mb} MiB wc={wc}"): (mb, wc)
                 for mb in parts for wc in wcs}
     cases = [*settings, "plain fs.put"]
     times: dict[tuple[tuple[float, float], str], list[float]] = {(e, c): [] for e in emulations for c in cases}
-    d = fresh_dir(scratch, "s3up-local")
+    d = h.fresh_dir(scratch, "s3up-local")
     _emulate_requests()
     try:
         with tc.CheckpointManager(d) as mgr:
             mgr.save(1, state)
         del state
-        local = LocalStore(d, tier="local")
-        folder = d / layout.step_dir(1)
-        n = 0
-        with s3_loopback(own_process=True) as s3:
-            opts = s3["storage_options"]
+        local, folder, n = LocalStore(d, tier="local"), d / layout.step_dir(1), 0
+        with h.s3_server(own_process=True) as s3:
             for r in range(a.repeats):
                 for emu in emulations:
                     _EMULATED[0] = emu
-                    for case in cases[r % len(cases):] + cases[: r % len(cases)]:
-                        settle()
+                    for case in h.rotate(cases, r):
+                        h.settle()
                         n += 1
-                        url = f"s3://{s3['bucket']}/up{n}"
+                        url = f"s3://{s3.bucket}/up{n}"
                         if case == "plain fs.put":
-                            t = plain_put_s3(folder, url, opts)
+                            t = h.plain_put_s3(folder, url, s3.storage_options)
                         else:
                             mb, wc = settings[case]
-                            t = upload_once(tc, local, 1, url, opts, wc, mb << 20)
+                            t = upload_once(local, 1, url, s3.storage_options, wc, mb << 20)
                         times[(emu, case)].append(t)
-                        print(f"[{time.strftime('%H:%M:%S')}] repeat {r + 1}/{a.repeats} emulate "
-                              f"{emu[0] * 1e3:.0f} ms {emu[1] / 1e6:.0f} MB/s {case}: {t:.3f} s",
-                              file=sys.stderr, flush=True)
+                        h.log(f"repeat {r + 1}/{a.repeats} emulate {emu[0] * 1e3:.0f} ms {emu[1] / 1e6:.0f} MB/s "
+                              f"{case}: {t:.3f} s")
             _EMULATED[0] = (0.0, 0.0)
     finally:
-        remove(d)
+        h.remove(d)
     heads = ["emulated round trip, per-connection MB/s", "case", "median s", "GB/s", f"vs {cases[0]}",
              "vs plain fs.put"]
     rows: list[list[str]] = []
     summary: dict[str, Any] = {}
     for emu in emulations:
         label = "none (loopback)" if emu == (0.0, 0.0) else f"{emu[0] * 1e3:.0f} ms, {emu[1] / 1e6:.0f} MB/s"
-        rows += case_rows(label, {c: times[(emu, c)] for c in cases}, cases[0], "plain fs.put", nbytes, summary)
-    emit_table(a, "s3_upload", markdown_table(heads, rows), scratch, tc, bytes=nbytes, results=summary)
+        rows += h.case_rows(label, {c: times[(emu, c)] for c in cases}, cases[0], "plain fs.put", nbytes, summary)
+    md = h.markdown_table(heads, rows)
+    print(md)
+    h.finish(a, {"kind": "s3_upload", "bytes": nbytes, "results": summary, "machine": h.machine(scratch),
+                 "tierckpt_version": tc.__version__, "markdown": md}, md + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

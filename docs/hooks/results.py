@@ -108,7 +108,10 @@ def _bench(run: Run) -> tuple[str, str]:
             "durable / adjacent write": v.get("durable_vs_ref"),
             "durable / raw write": v.get("durable_vs_write"),
             "in place cold / adjacent read": p.get("median"),
+            "in place cold / raw read": d["derived"]["systems"].get("tierckpt in_place restore", {}).get(
+                "load_cold_vs_read"),
             "default cold / adjacent read": m.get("load_cold_vs_ref"),
+            "default cold / raw read": v.get("load_cold_vs_read"),
         }
         for k, val in ratios.items():
             cols.setdefault(k, []).append((val, name))
@@ -351,8 +354,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "with and without `DefaultStager`, tierckpt) saves the 2 GiB state and, but for `async_save`, loads it "
         "back, cases interleaved, five repeats a run; medians per run. Each steady-state save and each cold "
         "restore is paired with a raw `O_DIRECT` write or read of the same bytes timed next to it (\"adjacent\"); "
-        "the run's own raw limits are the fastest of its raw ways. `.venv/bin/python benchmarks/targets.py` prints "
-        "the same ratios.",
+        "the run's own raw limits are the fastest of its raw ways; both kinds of ratio are given.",
         _bench),
     Benchmark(
         "restart", "A restart: restore, then the first save", rf"cpu_{_TAG}_restart\.json",

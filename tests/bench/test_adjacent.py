@@ -1,4 +1,4 @@
-"""The benchmark's raw read timed next to every cold load (benchmarks/measure.cold) and its summary (bench.derive).
+"""The benchmark's raw read timed next to every cold load (benchmarks/bench.cold) and its summary (bench.derive).
 
 The benchmark scripts are not a package; these tests put benchmarks/ on the path the way its scripts do.
 """
@@ -14,7 +14,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 bench = pytest.importorskip("bench")
-measure = pytest.importorskip("measure")
 
 
 class _Ref:
@@ -33,7 +32,7 @@ class _Ref:
 def _ctx(tmp_path: Path) -> object:
     state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10, dtype=torch.bfloat16)}
     dst = {k: torch.empty_like(v) for k, v in state.items()}
-    return measure.Ctx(state=state, dst=dst, scratch=tmp_path)
+    return bench.Ctx(state=state, dst=dst, scratch=tmp_path)
 
 
 def test_reference_read_alternates_around_the_load_and_never_under_its_check(tmp_path: Path) -> None:
@@ -43,7 +42,7 @@ def test_reference_read_alternates_around_the_load_and_never_under_its_check(tmp
     seen: list[bool] = []
     for _ in range(4):
         out: dict[str, object] = {}
-        with measure.cold(ctx, out, "load_cold"):
+        with bench.cold(ctx, out, "load_cold"):
             log.append("load")
             assert all(int(t.count_nonzero()) == 0 for t in ctx.dst_list)  # cleared after a reference read
             for s, d in zip(ctx.src_list, ctx.dst_list, strict=True):
@@ -71,7 +70,7 @@ def test_a_warm_load_follows_its_cold_load_before_any_reference_read(tmp_path: P
     for _ in range(2):
         out: dict[str, object] = {}
         ctx.loads = True  # type: ignore[attr-defined]
-        measure._loads(ctx, out, load)
+        bench._loads(ctx, out, load)
         assert "load_cold" in out and "load_warm" in out and out["load_ok"] is True
     assert log == ["ref", "load", "load", "load", "load", "ref"]
 
@@ -79,14 +78,14 @@ def test_a_warm_load_follows_its_cold_load_before_any_reference_read(tmp_path: P
 def test_without_reference_files_nothing_is_paired(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
     out: dict[str, object] = {}
-    with measure.cold(ctx, out, "load_cold"):
+    with bench.cold(ctx, out, "load_cold"):
         out["load_cold"] = 1.0
     assert "load_cold_ref" not in out and "load_cold_vs_ref" not in out
 
 
 def test_reference_files_read_back_the_state(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
-    ref = measure.RefFiles.create(ctx)
+    ref = bench.RefFiles.create(ctx)
     try:
         assert sum(p.stat().st_size for p in ref.paths) == sum(t.nbytes for t in ctx.src_list)
         want = [bytes(b) for b in ref.aligned] if ref.aligned is not None else None
@@ -161,7 +160,7 @@ def test_memcpy_limit_times_copy_and_the_streaming_copy_into_the_targets(tmp_pat
 
     ctx = _ctx(tmp_path)
     ctx.repeat = repeat  # type: ignore[attr-defined]
-    out = measure.case_memcpy(ctx)
+    out = bench.case_memcpy(ctx)
     assert out["time"] > 0
     assert ("time_stream" in out) is hostcopy.available
     for k, v in ctx.state.items():  # type: ignore[attr-defined]
