@@ -1,17 +1,17 @@
 """benchmarks/request_counts.py: the counting S3 server counts what a client really sends, by operation, key and
-prefix; the ranks' local-tier call counter counts what a known sequence of calls makes; and a 1-, 2- and 8-rank job's
-requests, local calls and bytes read per save and per restart come out as the protocol says (exact where it is
-deterministic, within a constant of each other across W where the protocol promises O(1) per rank)."""
+prefix, and under the phase a rank's request is tagged with; the ranks' local-tier call counter counts what a known
+sequence of calls makes; and a 1-, 2- and 8-rank job's requests, local calls and bytes read per save and per restart
+come out as the protocol says (exact where it is deterministic, within a constant of each other across W where the
+protocol promises O(1) per rank). Each world size's ranks are launched once and run every phase, each phase in a
+process group of its own, so that a rank imports torch once rather than once per phase."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,22 +22,12 @@ pytest.importorskip("s3fs")
 
 pytestmark = [pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its scripts import harness.py there
+
+import _request_counts_rank as rank_script  # noqa: E402
+import request_counts as bench  # noqa: E402
+
 STEPS = 2
-
-
-def _load(name: str = "bench_request_counts", file: str = "request_counts.py") -> ModuleType:
-    """A file of benchmarks/ as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
-rank_script = _load("bench_request_counts_rank", "_request_counts_rank.py")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +38,8 @@ def server() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def launches(server: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    """Every phase for 1, 2 and 8 ranks (each launch checks the restored bytes, or raises)."""
+    """Every phase for 1, 2 and 8 ranks, one launch per world size (each rank checks the bytes it restored, or the
+    launch raises)."""
     scratch = tmp_path_factory.mktemp("requests")
     return {world: bench.run_world(server, world, scratch, steps=STEPS, numel=64 * 1024, timeout_s=180)
             for world in (1, 2, 8)}
@@ -88,12 +79,12 @@ def test_the_server_counts_what_a_client_sends(server: Any) -> None:
     boto3 = pytest.importorskip("boto3")
     from botocore.config import Config
 
-    opts = server.storage_options()
+    opts = server.storage_options
     s3 = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id=opts["key"],
                       aws_secret_access_key=opts["secret"], region_name="us-east-1",
                       config=Config(user_agent_extra="tierckpt-rank/5"))
     b, base = server.bucket, "known/step-0000000001"
-    server.counter.take()
+    server.app.counter.take()
     s3.put_object(Bucket=b, Key=f"{base}/manifest.json", Body=b"x" * 100)
     assert s3.get_object(Bucket=b, Key=f"{base}/manifest.json")["Body"].read() == b"x" * 100
     with pytest.raises(s3.exceptions.ClientError):
@@ -107,7 +98,7 @@ def test_the_server_counts_what_a_client_sends(server: Any) -> None:
     listed = s3.list_objects_v2(Bucket=b, Prefix=f"{base}/", Delimiter="/")
     assert len(listed["Contents"]) == 2
     s3.delete_object(Bucket=b, Key=f"{base}/manifest.json")
-    got = server.counter.take()
+    got = server.app.counter.take()
     kinds = {k: t.n for k, t in got.by_kind().items()}
     assert kinds == {"PUT step-manifest": 1, "GET step-manifest": 1, "HEAD rank-manifest": 1,
                      "POST mpu-create data": 1, "PUT mpu-part data": 2, "POST mpu-complete data": 1,
@@ -119,7 +110,14 @@ def test_the_server_counts_what_a_client_sends(server: Any) -> None:
     assert tallies["HEAD rank-manifest"].errors == 1 and tallies["GET list"].errors == 0
     assert got.by_rank() == {5: 9}
     assert got.total(rank=5, kinds=["PUT mpu-part data", "GET list"]) == 3
-    assert server.counter.take().total() == 0  # taken: the next phase starts from zero
+    assert server.app.counter.take().total() == 0  # taken: the next phase starts from zero
+    # a request tagged with a phase, as the ranks tag theirs, is counted under that phase only
+    tagged = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id=opts["key"],
+                          aws_secret_access_key=opts["secret"], region_name="us-east-1",
+                          config=Config(user_agent_extra="tierckpt-rank/3 tierckpt-phase/restart-wiped"))
+    tagged.head_bucket(Bucket=b)
+    assert server.app.counter.take().total() == 0
+    assert server.app.counter.take("restart-wiped").by_rank() == {3: 1}
 
 
 @pytest.mark.parametrize("world", [1, 2, 8])
@@ -191,9 +189,9 @@ def test_a_rank_that_restores_the_wrong_step_fails_the_launch(server: Any, tmp_p
     folder = tmp_path / "job"
     folder.mkdir()
     remote = f"s3://{server.bucket}/mismatch"
-    bench.launch_phase(server, "save", 1, folder, remote, steps=1, numel=1024, timeout_s=120)
+    bench.launch(server, 1, folder, remote, phases=["save"], steps=1, numel=1024, timeout_s=120)
     with pytest.raises(RuntimeError, match="restored step 1, expected 2"):
-        bench.launch_phase(server, "restart", 1, folder, remote, steps=2, numel=1024, timeout_s=120)
+        bench.launch(server, 1, folder, remote, phases=["restart"], steps=2, numel=1024, timeout_s=120)
 
 
 def test_growth_fit_recovers_known_laws() -> None:
@@ -237,12 +235,12 @@ def test_the_server_counts_each_key_and_prefix(server: Any) -> None:
     apart: a listing counts against its prefix, a multi-object delete against each key it names and each of their
     prefixes once."""
     boto3 = pytest.importorskip("boto3")
-    opts = server.storage_options()
+    opts = server.storage_options
     s3 = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id=opts["key"],
                       aws_secret_access_key=opts["secret"], region_name="us-east-1")
     b, step = server.bucket, "keys/step-0000000004"
     manifest, data, loose = f"{step}/manifest.json", f"{step}/r00000-p0000-0a1b2c3d.safetensors", "keys/loose.json"
-    server.counter.take()
+    server.app.counter.take()
     for key in (manifest, data, loose):
         s3.put_object(Bucket=b, Key=key, Body=b"x" * 10)
     s3.get_object(Bucket=b, Key=manifest)["Body"].read()
@@ -250,7 +248,7 @@ def test_the_server_counts_each_key_and_prefix(server: Any) -> None:
     s3.list_objects_v2(Bucket=b, Prefix="keys/", Delimiter="/")
     s3.list_objects_v2(Bucket=b, Prefix=f"{step}/")
     s3.delete_objects(Bucket=b, Delete={"Objects": [{"Key": data}, {"Key": loose}]})
-    got = server.counter.take()
+    got = server.app.counter.take()
     keys = {k: (t.kind, t.n, t.reads, t.writes) for k, t in got.keys.items()}
     assert keys == {manifest: ("step-manifest", 3, 2, 1), data: ("data", 2, 0, 2),
                     loose: ("other-object", 2, 0, 2)}, got.trace
