@@ -439,9 +439,9 @@ def scenario_outage2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
             except Exception as exc:
                 outcomes.append(type(exc).__name__)
             most = max(most, len(list_root(mgr.local).steps))
-        during = sorted(list_root(mgr.local).steps)
         werr = wait_result(mgr)
-        dist.barrier()
+        dist.barrier()  # each node's retention follows rank 0's decisions on its own upload thread: settled here
+        during = sorted(list_root(mgr.local).steps)
         mgr.remote = real
         h = mgr.save(9, make_state(rank, 9))
         up9 = h.uploaded.result(timeout=60)
