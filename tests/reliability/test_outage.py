@@ -5,6 +5,7 @@ failed request."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,6 +17,8 @@ import torch
 from tests._support.helpers import assert_tree_equal
 from tests._support.remote import wait_for
 from tierckpt import CheckpointManager, StorageError, UploadError
+from tierckpt import manager as manager_mod
+from tierckpt.replication import ReplicationPolicy
 from tierckpt.testing import FaultProxy
 from tierckpt.tiers.listing import list_root
 
@@ -116,10 +119,13 @@ def test_each_call_does_not_pay_the_outage_again(tmp_path, remote, proxy) -> Non
     mgr.close()
 
 
-def test_retries_follow_the_backoff_and_log_once_per_change_of_state(tmp_path, remote, proxy, caplog) -> None:
-    """Three saves fail while the remote refuses; for 12 s the job calls latest_step() and wait(): the failed
-    steps are tried again only as the backoff says (5 s, then 10 s), the log has one ERROR for the outage, and
-    the recovery is logged once."""
+def test_retries_follow_the_backoff_and_log_once_per_change_of_state(tmp_path, remote, proxy, caplog,
+                                                                     monkeypatch) -> None:
+    """Three saves fail while the remote refuses; for 4.8 s the job calls latest_step() and wait(): the failed
+    steps are tried again only as the backoff says (2 s, then 4 s here; 5 s and 10 s by default), the log has one
+    ERROR for the outage, and the recovery is logged once."""
+    monkeypatch.setattr(manager_mod, "ReplicationPolicy",
+                        functools.partial(ReplicationPolicy, retry_initial_s=2.0, retry_max_s=8.0))
     mgr = _manager(tmp_path / "local", remote)
     mgr.save(1, _state(1)).uploaded.result(timeout=60)
     proxy.set_mode("refuse")
@@ -128,14 +134,14 @@ def test_retries_follow_the_backoff_and_log_once_per_change_of_state(tmp_path, r
     for s in (2, 3, 4):
         mgr.save(s, _state(s)).uploaded.exception(timeout=60)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 12:
+    while time.monotonic() - t0 < 4.8:
         mgr.latest_step()
-        with pytest.raises(UploadError) if time.monotonic() - t0 < 0.5 else _nothing():
+        with pytest.raises(UploadError) if time.monotonic() - t0 < 0.2 else _nothing():
             mgr.wait()
-        time.sleep(0.5)
+        time.sleep(0.2)
     tries = [r for r in caplog.records if r.name == "tierckpt.replication.remote_state"
              and ("failed again" in r.getMessage() or r.levelno == logging.ERROR)]
-    # 3 new saves, each tried once, then at most 2 retries of the failed steps in 12 s (5 s, 10 s of backoff)
+    # 3 new saves, each tried once, then at most 2 retries of the failed steps in 4.8 s (2 s, 4 s of backoff)
     assert len(tries) <= 5, [r.getMessage()[:120] for r in tries]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("tierckpt")]
     assert len(errors) == 1, [r.getMessage()[:120] for r in errors]
