@@ -449,6 +449,7 @@ def case_tierckpt(ctx: Ctx) -> Metrics:
                    rss_growth_steady=rss_after[-1] - rss_after[1] if len(rss_after) > 2 else None)
         if durable_pairs:
             out["durable_pairs"] = durable_pairs
+        del mgr  # its staging memory goes before the restores
         h.settle()
         if ctx.loads:
             with tc.CheckpointManager(d / "local", **ctx.tierckpt_kwargs) as mgr:
@@ -677,7 +678,6 @@ def derive(med: dict[str, Metrics], nbytes: int) -> dict[str, Any]:
     return {"bytes": nbytes, "inplace_pairs": inplace, "limits": limits,
             "limits_gbps": {k: (nbytes / v / 1e9 if v else None) for k, v in limits.items()},
             "best_peer": {k: {"system": p, "seconds": v} for k, (p, v) in best_peer.items()}, "systems": rows}
-
 
 
 # ------------------------------------------------------------------------------------------ reports

@@ -175,8 +175,10 @@ class Counts:
         out: dict[str, Tally] = {}
         for (_, m, k), t in sorted(self.tallies.items(), key=lambda kv: (kv[0][2], kv[0][1])):
             s = out.setdefault(f"{m} {k}", Tally())
-            s.n, s.errors, s.bytes_in, s.bytes_out = (s.n + t.n, s.errors + t.errors, s.bytes_in + t.bytes_in,
-                                                      s.bytes_out + t.bytes_out)
+            s.n += t.n
+            s.errors += t.errors
+            s.bytes_in += t.bytes_in
+            s.bytes_out += t.bytes_out
         return out
 
     def by_rank(self) -> dict[int, int]:
@@ -222,12 +224,15 @@ class RequestCounter:
             c = self._phases.setdefault(phase, Counts())
             for tallies, names, kind_of in ((c.keys, keys, key_kind), (c.prefixes, prefixes, lambda _: "")):
                 for name in names:
-                    t = tallies.setdefault(name, TargetTally(kind_of(name)))
-                    t.n, t.reads, t.writes = t.n + 1, t.reads + (method in ("GET", "HEAD")), \
-                        t.writes + (method in ("PUT", "POST", "DELETE"))
+                    target = tallies.setdefault(name, TargetTally(kind_of(name)))
+                    target.n += 1
+                    target.reads += method in ("GET", "HEAD")
+                    target.writes += method in ("PUT", "POST", "DELETE")
             t = c.tallies.setdefault((rank, method, kind), Tally())
-            t.n, t.errors, t.bytes_in, t.bytes_out = t.n + 1, t.errors + (status >= 400), t.bytes_in + bytes_in, \
-                t.bytes_out + bytes_out
+            t.n += 1
+            t.errors += status >= 400
+            t.bytes_in += bytes_in
+            t.bytes_out += bytes_out
             if self._trace:
                 c.trace.append((rank, method, target, status))
             self._in_flight -= 1
@@ -273,8 +278,8 @@ class CountingMiddleware:
         self.app, self.counter = app, counter
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        method, path, query = environ.get("REQUEST_METHOD", "GET").upper(), environ.get("PATH_INFO", "/"), \
-            environ.get("QUERY_STRING", "")
+        method = environ.get("REQUEST_METHOD", "GET").upper()
+        path, query = environ.get("PATH_INFO", "/"), environ.get("QUERY_STRING", "")
         headers = {k[5:].lower().replace("_", "-"): v for k, v in environ.items() if k.startswith("HTTP_")}
         kind = classify(method, path, query, headers)
         agent = headers.get("user-agent", "")

@@ -139,8 +139,10 @@ class DcpAsyncSaver(Saver):
         kwargs = {"async_stager": self.stager} if self.stager is not None else {}
         resp = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(self.root / f"step{step}")),
                               no_dist=True, **kwargs)
-        self.staging, self.pending = (resp.staging_completion, resp.upload_completion) \
-            if hasattr(resp, "staging_completion") else (None, resp)
+        if hasattr(resp, "staging_completion"):
+            self.staging, self.pending = resp.staging_completion, resp.upload_completion
+        else:
+            self.pending = resp
 
     def before_step(self) -> None:
         if self.staging is not None:
