@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests._support.helpers import assert_tree_equal
+from tests._support.remote import wait_for
 from tierckpt import CheckpointError, CheckpointManager
 from tierckpt.errors import RollbackError, StorageAccessError
 from tierckpt.format import layout
+from tierckpt.replication import replicator as replicator_mod
 from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,6 +70,38 @@ def test_rollback_is_refused_until_made_explicit_then_sticks(tmp_path: Path, rem
         assert mgr.restore(state) == 23
         assert_tree_equal(state, _state(23))
         assert mgr.latest_step() == 23
+
+
+def test_a_remote_listing_read_before_a_rollback_does_not_bring_back_what_it_set_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replicator's start-up listing of the remote reads step 30 and lands only after ``rollback_to(20)`` set
+    step 30 aside: the next save is not refused as if step 30 were still committed."""
+    remote = str(tmp_path / "remote")
+    root = tmp_path / "local"
+    _saved(root, [10, 20, 30], remote=remote, keep_remote=10)
+    read, release = threading.Event(), threading.Event()
+    real_list_root = replicator_mod.list_root
+
+    def stale_list_root(store):  # noqa: ANN001, ANN202
+        listing = real_list_root(store)
+        if store.tier == "remote" and not read.is_set():
+            read.set()
+            release.wait(30)
+        return listing
+
+    monkeypatch.setattr(replicator_mod, "list_root", stale_list_root)
+    with CheckpointManager(root, keep_local=2, remote=remote, keep_remote=10, remote_timeout_s=60) as mgr:
+        assert read.wait(30)  # the start-up listing holds step 30, and waits
+        state = _empty()
+        assert mgr.restore(state, step=20) == 20
+        assert mgr.rollback_to(20) == [30]
+        release.set()
+        wait_for(lambda: mgr.components.replicator.remote_steps() is not None)  # the listing landed
+        mgr.save(21, _state(21))
+        mgr.wait()
+        assert 30 not in list_root(mgr.remote).steps and 21 in list_root(mgr.remote).steps
+    with CheckpointManager(root, remote=remote) as mgr:
+        assert mgr.restore(_empty()) == 21
 
 
 def test_an_old_runs_steps_in_the_folder_are_not_silently_preferred(tmp_path: Path) -> None:

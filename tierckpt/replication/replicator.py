@@ -441,6 +441,7 @@ class Replicator(Trimming, Follower):
         except OSError:
             local = set(self._committed_at)
         with self._cond:
+            steps -= self._fenced  # a listing that read a step before a rollback set it aside
             self._remote_steps = steps
             self._replicated |= steps & local  # every local step the remote holds, resumed or not
         if resume:
