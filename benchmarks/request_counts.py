@@ -224,10 +224,10 @@ class RequestCounter:
             c = self._phases.setdefault(phase, Counts())
             for tallies, names, kind_of in ((c.keys, keys, key_kind), (c.prefixes, prefixes, lambda _: "")):
                 for name in names:
-                    target = tallies.setdefault(name, TargetTally(kind_of(name)))
-                    target.n += 1
-                    target.reads += method in ("GET", "HEAD")
-                    target.writes += method in ("PUT", "POST", "DELETE")
+                    tally = tallies.setdefault(name, TargetTally(kind_of(name)))
+                    tally.n += 1
+                    tally.reads += method in ("GET", "HEAD")
+                    tally.writes += method in ("PUT", "POST", "DELETE")
             t = c.tallies.setdefault((rank, method, kind), Tally())
             t.n += 1
             t.errors += status >= 400

@@ -103,6 +103,9 @@ def test_the_server_counts_what_a_client_sends(server: Any) -> None:
     assert kinds == {"PUT step-manifest": 1, "GET step-manifest": 1, "HEAD rank-manifest": 1,
                      "POST mpu-create data": 1, "PUT mpu-part data": 2, "POST mpu-complete data": 1,
                      "GET list": 1, "DELETE step-manifest": 1}, got.trace
+    # the trace names each request: rank, method, its path and query, status
+    assert (5, "PUT", f"/{b}/{base}/manifest.json", 200) in got.trace, got.trace
+    assert (5, "HEAD", f"/{b}/{base}/r00005-0a1b2c3d.manifest.json", 404) in got.trace, got.trace
     tallies = got.by_kind()
     assert tallies["PUT step-manifest"].bytes_in == 100
     assert tallies["GET step-manifest"].bytes_out == 100
