@@ -241,16 +241,25 @@ def ddp_straight(tmp_path_factory):
     return _ddp("straight", tmp_path_factory.mktemp("ddp-straight"))
 
 
+@pytest.fixture(scope="module")
+def ddp_fit(tmp_path_factory):
+    """The first job of both resume cases below (N steps, checkpoints through the plug-in on rank 0, a remote
+    beside them): run once; each case resumes from a copy of its folder."""
+    out = tmp_path_factory.mktemp("ddp-fit")
+    _ddp("fit", out, str(out / "remote"))
+    return out
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("wipe_local", [False, True], ids=["same-node", "remote-only"])
-def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local, ddp_straight):
+def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local, ddp_straight, ddp_fit):
     """A 2-process DDP job saves through the plug-in (rank 0) and a new job resumes from "last" on both ranks: rank
     1 reads rank 0's folder without its lock (or the remote when that folder is gone), and both end with the
     weights of an uninterrupted run."""
     import shutil
 
+    shutil.copytree(ddp_fit, tmp_path, dirs_exist_ok=True)
     remote = str(tmp_path / "remote")
-    _ddp("fit", tmp_path, remote)
     if wipe_local:
         shutil.rmtree(tmp_path / "local")
     resumed = _ddp("resume", tmp_path, remote)
