@@ -6,7 +6,11 @@ source "$(dirname "$0")/_env.sh"
 .venv/bin/mypy  # strict type checks of format/ and storage/ (pyproject.toml [tool.mypy])
 # the native host copy (tierckpt/host/_hostcopy.c) is optional for users, but here it must have been built
 export TIERCKPT_EXPECT_NATIVE=1
-# one pytest-xdist worker per core (TIERCKPT_TEST_WORKERS=N overrides, 0 runs in this process), a whole test file
-# per worker, the slowest files first (tests/conftest.py); the ten slowest tests are listed at the end
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TIERCKPT_TEST_WORKERS:-auto}" --dist loadfile \
-  --no-loadscope-reorder --durations=10 "$@"
+# bytecode caches (git-ignored) spare each worker and each test subprocess recompiling the tests and tierckpt
+unset PYTHONDONTWRITEBYTECODE
+# pytest-xdist workers, three for every two cores (the tests wait on subprocesses, sockets and timers a good part of
+# the time; TIERCKPT_TEST_WORKERS=N overrides, 0 runs in this process), a whole test file per worker, the slowest
+# files first (tests/conftest.py); the ten slowest tests are listed at the end
+cores=$(nproc 2>/dev/null || echo 2)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TIERCKPT_TEST_WORKERS:-$(( (cores * 3 + 1) / 2 ))}" \
+  --dist loadfile --no-loadscope-reorder --durations=10 "$@"
