@@ -18,7 +18,7 @@ from tests._support.helpers import assert_tree_equal
 from tests._support.remote import wait_for
 from tierckpt import CheckpointManager, StorageError, UploadError
 from tierckpt import manager as manager_mod
-from tierckpt.replication import ReplicationPolicy
+from tierckpt.replication import ReplicationPolicy, Replicator
 from tierckpt.testing import FaultProxy
 from tierckpt.tiers.listing import list_root
 
@@ -223,3 +223,23 @@ def test_a_store_tells_a_refused_endpoint_from_a_silent_one(remote, proxy) -> No
     finally:
         proxy.set_mode("forward")
         store.close()
+
+
+def test_wait_after_a_restart_returns_with_the_local_tier_trimmed(tmp_path, remote, monkeypatch) -> None:
+    """A restarted job whose local steps the remote already holds: wait() returns once local retention has run
+    (keep_local=1 leaves the newest), however slow that retention is."""
+    with _manager(tmp_path / "local", remote, keep_local=2) as mgr:
+        for s in (8, 9):
+            mgr.save(s, _state(s))
+        mgr.wait()
+    assert sorted(list_root(mgr.local).steps) == [8, 9]
+    real = Replicator.apply_local_retention
+
+    def slow_retention(self) -> None:
+        time.sleep(0.5)
+        real(self)
+
+    monkeypatch.setattr(Replicator, "apply_local_retention", slow_retention)
+    with _manager(tmp_path / "local", remote, keep_local=1) as mgr:
+        mgr.wait()
+        assert sorted(list_root(mgr.local).steps) == [9]

@@ -387,6 +387,8 @@ class Replicator(Trimming, Follower):
             deletes = self._owed_deletions()
             self._publish({"step": None, "fail": [[s, str(e)] for s, e in errors.items()], "delete": deletes})
             self._delete_local(deletes)
+        else:  # as after a failed try: wait() returns with the local tier within its bound
+            self.apply_local_retention()
         log.debug("tier remote: %d steps not tried while %s fails: %s", len(popped), self.remote.url, sorted(popped))
         for s, waiters in popped.items():
             self._fail_waiters(s, waiters, errors[s], keep=conflict is None)
@@ -466,10 +468,10 @@ class Replicator(Trimming, Follower):
         if self._channel is not None:
             self._publish({"remote": None if listed is None else sorted(listed),
                            "resumed_done": [s for s, _ in done]})
+        if done:
+            self.apply_local_retention()  # first: wait() returns with the local tier trimmed
         for s, waiters in done:
             self._resolve(s, waiters)
-        if done:
-            self.apply_local_retention()
 
     def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]], list[list[Any]]]:
         """The step to upload now among ``due``, the steps dropped (with their waiters and why), and (multi-rank:
