@@ -378,13 +378,7 @@ def make_case_dcp_async(stager: bool) -> Case:
                 t0 = time.perf_counter()
                 resp = dcp.async_save(ctx.state, storage_writer=dcp.FileSystemWriter(str(d), thread_count=1),
                                       no_dist=True, **kwargs)
-                out["stall_return"] = time.perf_counter() - t0
-                fut = resp
-                if hasattr(resp, "staging_completion"):
-                    resp.staging_completion.result()
-                    fut = resp.upload_completion
-                out["stall"] = time.perf_counter() - t0 if fut is not resp else out["stall_return"]
-                fut.result()
+                out.update(h.dcp_async_times(resp, t0))
                 h.fsync_tree(d)
                 out["durable"] = time.perf_counter() - t0
             out["rss_extra"] = rss.peak - base

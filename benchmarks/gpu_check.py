@@ -110,15 +110,7 @@ def measure_dcp(state: dict[str, Any], nbytes: int, root: Path, stager: bool, ru
         t0 = time.perf_counter()
         resp = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True,
                               **({"async_stager": st} if st is not None else {}))
-        r = {"stall_return": time.perf_counter() - t0}
-        fut = resp
-        if hasattr(resp, "staging_completion"):
-            resp.staging_completion.result()
-            fut = resp.upload_completion
-        r["stall"] = time.perf_counter() - t0 if fut is not resp else r["stall_return"]
-        fut.result()
-        r["durable"] = time.perf_counter() - t0
-        return r
+        return h.dcp_async_times(resp, t0)
 
     try:
         for k in range(runs):

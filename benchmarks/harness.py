@@ -195,6 +195,21 @@ def default_stager_available() -> bool:
     return True
 
 
+
+def dcp_async_times(resp: Any, t0: float) -> dict[str, float]:
+    """The times of one ``dcp.async_save`` started at ``t0`` that has just returned ``resp``: ``stall_return`` (the
+    bare return), ``stall`` (until its stager's ``staging_completion``, where it returned an ``AsyncSaveResponse``:
+    only then may the tensors change) and ``durable`` (its write completed; the caller fsyncs where it must)."""
+    out = {"stall_return": time.perf_counter() - t0}
+    fut = resp
+    if hasattr(resp, "staging_completion"):
+        resp.staging_completion.result()
+        fut = resp.upload_completion
+    out["stall"] = time.perf_counter() - t0 if fut is not resp else out["stall_return"]
+    fut.result()
+    out["durable"] = time.perf_counter() - t0
+    return out
+
 # ------------------------------------------------------------------------------------------ the state
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight + fp32 master weight, exp_avg, exp_avg_sq
 CONTEXT, BASE_VOCAB = 1024, 32000
