@@ -41,9 +41,7 @@ class Follower:
             local = self._local_steps()
             with self._cond:
                 if remote is not None:
-                    remote -= self._fenced  # listed before a rollback set these aside
-                    self._remote_steps = remote
-                    self._replicated |= remote & local
+                    self._replicated |= self._listed(remote) & local
                 done = [(s, self._waiting.pop(s, [])) for s in d["resumed_done"]]
                 self._replicated |= {s for s, _ in done}
             for s, waiters in done:
@@ -51,8 +49,8 @@ class Follower:
             self.apply_local_retention()
             return
         with self._cond:
-            if d.get("remote_newest") is not None and d["remote_newest"] not in self._fenced:
-                self._remote_steps = (self._remote_steps or set()) | {d["remote_newest"]}
+            if d.get("remote_newest") is not None:
+                self._listed((self._remote_steps or set()) | {d["remote_newest"]})
             dropped, failed = [], []
             for s, why in d.get("drop", []):
                 waiters = self._waiting.pop(s, [])

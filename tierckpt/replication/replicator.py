@@ -178,6 +178,12 @@ class Replicator(Trimming, Follower):
         with self._cond:
             return None if self._remote_steps is None or self._conflict is not None else set(self._remote_steps)
 
+    def _listed(self, steps: set[int]) -> set[int]:
+        """Under the lock: the remote holds ``steps`` as a listing read them, less those a rollback set aside
+        since (a listing that started before :meth:`fence` may land after it). Returns what it records."""
+        self._remote_steps = steps - self._fenced
+        return self._remote_steps
+
     def fence(self, above: int, timeout_s: float | None) -> list[int]:
         """Stop replicating every step after ``above`` (a rollback sets them aside next): the waiting and failed
         ones are dropped, and an upload of one in progress is cancelled and waited for (at most ``timeout_s``), so
@@ -443,8 +449,7 @@ class Replicator(Trimming, Follower):
         except OSError:
             local = set(self._committed_at)
         with self._cond:
-            steps -= self._fenced  # a listing that read a step before a rollback set it aside
-            self._remote_steps = steps
+            steps = self._listed(steps)
             self._replicated |= steps & local  # every local step the remote holds, resumed or not
         if resume:
             self.state.succeeded()

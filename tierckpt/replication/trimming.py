@@ -56,7 +56,7 @@ class Trimming:
             for step in sorted(steps - keep):
                 delete_step(self.remote, step)
             with self._cond:
-                self._remote_steps = set(keep) - self._fenced
+                self._listed(set(keep))
         except Exception as exc:
             log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
 
