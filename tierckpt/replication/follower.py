@@ -63,11 +63,12 @@ class Follower:
                 if not waiters:
                     self._outcomes[s] = ("failed", err)
                 failed.append((s, waiters, err))
+        # the deletions first, as on the leader: wait() returns with this node's local tier within its bound
+        self._delete_local([(s, why) for s, why in d.get("delete", [])])
         for s, waiters, why in dropped:
             self._resolve(s, waiters, skipped=why)
         for s, waiters, err in failed:
             self._fail_waiters(s, waiters, err)
-        self._delete_local([(s, why) for s, why in d.get("delete", [])])
         if d.get("step") is not None:
             self._attempt(d["step"], seq)
         self._trim_outcomes()

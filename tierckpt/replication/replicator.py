@@ -337,9 +337,9 @@ class Replicator(Trimming, Follower):
         try:
             if self._channel is not None:
                 seq = self._publish({"step": step, "drop": [[s, why] for s, _w, why in dropped], "delete": deletes})
+            self._delete_local(deletes)  # first: wait() returns with the local tier within its bound
             for s, waiters, why in dropped:
                 self._resolve(s, waiters, skipped=why)
-            self._delete_local(deletes)
         except BaseException:
             with self._cond:
                 self._current = None  # the step stays waiting or due; retention may consider it again
