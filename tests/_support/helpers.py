@@ -6,7 +6,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,18 @@ def subprocess_env() -> dict[str, str]:
 
 
 def run_cli(*args: str | os.PathLike, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m tierckpt ARGS`` for real and capture its output (not on a terminal: no progress bar)."""
-    return subprocess.run(
-        [sys.executable, "-m", "tierckpt", *[str(a) for a in args]],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=subprocess_env(),
-        cwd=str(REPO_ROOT),
-        stdin=subprocess.DEVNULL,
-    )
+    """Run ``python -m tierckpt ARGS`` in a child process and capture its output (not on a terminal: no progress
+    bar). The child is forked from a server that imported torch (:mod:`tests._support.procs`)."""
+    from tests._support.procs import run_python
+
+    return run_python(["-m", "tierckpt", *[str(a) for a in args]], env=subprocess_env(), cwd=REPO_ROOT,
+                      timeout=timeout)
 
 
 def run_cli_parallel(
     calls: list[tuple[str | os.PathLike, ...]], timeout: float = 180, workers: int = 2
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run several independent CLI calls, ``workers`` at a time (each pays the interpreter + torch start-up)."""
+    """Run several independent CLI calls, ``workers`` at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._support.procs import forkserver, run_as_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,69 +56,18 @@ class Ranks:
                          for r, (rc, log) in enumerate(zip(self.returncodes, self.logs)))
 
 
-#: What the rank processes are forked from: a server that imported these once (``import torch`` alone costs each
-#: process 1.5 s of CPU, and a multi-rank test starts 2 to 6 of them). Nothing of tierckpt: it reads its environment
-#: (fault points, switches) when imported, so each rank imports it under its own environment.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy"]
-_context: Any = None
-
-
-def _forkserver() -> Any:
-    """The multiprocessing context whose forkserver starts the ranks (started on first use, one per test process)."""
-    global _context
-    if _context is None:
-        import multiprocessing
-
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
-
-
-def _run_script(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
-    """A rank process (forked from the forkserver): ``python argv`` in ``cwd`` with ``env``, output to ``log``, as
-    a fresh interpreter would run it (``__main__``, its folder first on ``sys.path``, exit handlers at the end)."""
-    import atexit
-    import runpy
-    import threading
-
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.close(null)
-    sys.stdout.reconfigure(line_buffering=True)  # PYTHONUNBUFFERED, which only a new interpreter reads
-    sys.stderr.reconfigure(line_buffering=True)
-    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the forkserver loaded it: torch's own setting instead
-        import torch
-
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    finally:
-        threading._shutdown()  # type: ignore[attr-defined]  # as at interpreter exit: non-daemon threads first,
-        atexit._run_exitfuncs()  # then the exit handlers (multiprocessing's child exit skips both)
-
-
 def run_ranks(argv: Callable[[int], list[str]], world: int, root: Path, name: str, *, env: dict[str, str],
               timeout: float) -> Ranks:
     """Start ``world`` processes (``python argv(rank)``) and wait for all, killing them all past ``timeout``; each
     rank's output goes to ``root/log-<name>-r<rank>.txt`` and its record is read from ``result-<name>-r<rank>.json``.
 
-    The processes are forked from a server that has imported torch (:data:`PRELOAD`), so each starts in a fraction
-    of a second; they are separate OS processes all the same (own memory, own gloo connections, killed by
-    SIGKILL)."""
-    ctx = _forkserver()
+    The processes are forked from a server that has imported torch (:mod:`tests._support.procs`), so each starts in
+    a fraction of a second; they are separate OS processes all the same (own memory, own gloo connections, killed
+    by SIGKILL)."""
+    ctx = forkserver()
     for r in range(world):
         (root / f"log-{name}-r{r}.txt").write_text("")
-    procs = [ctx.Process(target=_run_script, args=(argv(r), env, str(root), str(root / f"log-{name}-r{r}.txt")),
+    procs = [ctx.Process(target=run_as_main, args=(argv(r), env, str(root), str(root / f"log-{name}-r{r}.txt")),
                          name=f"{name}-r{r}")
              for r in range(world)]
     deadline = time.monotonic() + timeout

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 from tests._support.helpers import REPO_ROOT, subprocess_env
+from tests._support.procs import run_python
 from tests._support.steps import build_step, write_step
 from tierckpt import CheckpointManager, cli
 from tierckpt.errors import StorageError
@@ -65,8 +65,7 @@ def _run(args: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     """``python -m tierckpt ARGS`` with no AWS credentials in the environment; (result, seconds it took)."""
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("AWS_")}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tierckpt", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL)
+    proc = run_python(["-m", "tierckpt", *args], timeout=120, env=env, cwd=REPO_ROOT)
     return proc, time.monotonic() - t0
 
 

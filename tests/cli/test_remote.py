@@ -8,7 +8,6 @@ import json
 import os
 import struct
 import subprocess
-import sys
 import termios
 import threading
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from tests._support.helpers import REPO_ROOT, assert_tree_equal, cli_output, data_files, step_path, subprocess_env
+from tests._support.procs import Child, start_python
 from tierckpt import CheckpointManager
 from tierckpt.cli import main as cli_main
 from tierckpt.format import layout
@@ -63,9 +63,9 @@ def _env(strip_aws: bool = False) -> dict[str, str]:
     return env
 
 
-def _popen(args: list[str], *, env: dict[str, str] | None = None, stderr: Any = subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tierckpt", *args], stdout=subprocess.PIPE, stderr=stderr,
-                            stdin=subprocess.DEVNULL, text=True, env=env or _env(), cwd=str(REPO_ROOT))
+def _popen(args: list[str], *, env: dict[str, str] | None = None, stderr: str | None = None) -> Child:
+    """``python -m tierckpt ARGS`` in a child; ``stderr`` names a terminal device to write its errors to."""
+    return start_python(["-m", "tierckpt", *args], env=env or _env(), cwd=REPO_ROOT, stderr=stderr)
 
 
 def _run_all(calls: list[tuple[list[str], dict[str, str] | None]],
@@ -91,15 +91,14 @@ def _run_on_pty(args: list[str]) -> tuple[int, str, str]:
     """Run the CLI with stderr on a pseudo-terminal (so it draws progress bars); returns (rc, stdout, terminal)."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
-    proc = _popen(args, stderr=slave)
-    os.close(slave)
+    proc = _popen(args, stderr=os.ttyname(slave))  # it opens the terminal itself; ours stays open until it exits
     chunks: list[bytes] = []
 
     def drain() -> None:
         while True:
             try:
                 data = os.read(master, 65536)
-            except OSError:  # EIO once the child closed its end
+            except OSError:  # EIO once every end of the terminal is closed
                 return
             if not data:
                 return
@@ -108,6 +107,7 @@ def _run_on_pty(args: list[str]) -> tuple[int, str, str]:
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     out, _ = proc.communicate(timeout=120)
+    os.close(slave)  # the reader now sees the end (EIO)
     reader.join(timeout=10)
     os.close(master)
     return proc.returncode, out, b"".join(chunks).decode(errors="replace")

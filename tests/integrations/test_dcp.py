@@ -343,13 +343,12 @@ def test_a_step_killed_mid_save_is_never_chosen(tmp_path: Path, point: str) -> N
     is durable, the step is complete: start-up recovery commits it, and it loads whole.)"""
     import os
     import signal
-    import subprocess
-    import sys
+
+    from tests._support.procs import run_python
 
     root = tmp_path / "root"
     env = {**os.environ, "TIERCKPT_FAULT": f"{point}:2", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, str(TESTS_DIR / "_dcp_kill.py"), str(root)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([str(TESTS_DIR / "_dcp_kill.py"), str(root)], env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     with tierckpt.CheckpointManager(root, keep_local=5) as m:
         state = {"w": torch.zeros(4096), "b": torch.zeros(10, dtype=torch.int64)}

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 import tierckpt
+from tests._support.procs import run_python
 from tests._support.ranks import assert_all_ok, rank_env, run_ranks
 from tierckpt.cli import main
 from tierckpt.export import ExportError, export_weights, parse_size
@@ -134,9 +133,8 @@ def test_subprocess_export_newest_step_and_explicit_older_step(trained: dict[str
     """``python -m tierckpt.cli export`` without --step exports the newest step; --step 2 exports step 2's weights
     (not the newest's)."""
     out = tmp_path / "newest"
-    proc = subprocess.run([sys.executable, "-m", "tierckpt.cli", "export", str(trained["local"]), str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=str(REPO_ROOT),
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdin=subprocess.DEVNULL)
+    proc = run_python(["-m", "tierckpt.cli", "export", str(trained["local"]), str(out)], timeout=120, cwd=REPO_ROOT,
+                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 3" in proc.stdout
     assert torch.equal(_logits(_from_pretrained(out)), trained["logits"][3])

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from tests._support.helpers import subprocess_env
+from tests._support.procs import run_python
 from tierckpt import CheckpointManager
 from tierckpt.cli import main
 from tierckpt.export import INDEX_FILE, SINGLE_FILE, export_weights
@@ -101,8 +100,7 @@ def test_no_temporary_is_left_when_a_write_fails(ckpt: Path, tmp_path: Path) -> 
             sys.exit(0 if exc.errno == errno.EFBIG else 1)
         sys.exit(2)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python(["-c", code], env=subprocess_env(), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert list(out.iterdir()) == []
 

@@ -20,8 +20,6 @@ parsers are what is tested, not the checksums. The memory checks run in child pr
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import tracemalloc
 from pathlib import Path
@@ -31,6 +29,7 @@ import pytest
 import torch
 
 from tests._support.helpers import data_files, rank_manifests, step_path, subprocess_env
+from tests._support.procs import run_python
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.format import hashing
 from tierckpt.format.checks import JSON_MEMORY_PER_BYTE
@@ -92,12 +91,13 @@ def _dense(item: bytes, total: int) -> bytes:
 
 # --------------------------------------------------------------------------------------------- child processes
 _CHILD = """
-import json, resource, sys, warnings
+import ctypes, json, resource, sys, warnings
 import torch
 import tierckpt
 from tierckpt import cli
 
 root, op, limit_as = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX: each malloc arena reserves 64 MiB of address space
 
 def status(field):  # of this process's own memory: ru_maxrss would start at its parent's peak (vfork + exec)
     with open("/proc/self/status") as f:
@@ -136,14 +136,11 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def _child(tmp_path: Path, root: Path, op: str, *, limit_as: int = 0) -> tuple[dict[str, Any], str]:
-    """Run ``op`` on ``root`` in a fresh interpreter (an address-space limit of ``limit_as`` bytes above what it
-    maps once started, where given); returns its result and its whole output."""
+    """Run ``op`` on ``root`` in a child process (an address-space limit of ``limit_as`` bytes above what it maps
+    once started, where given); returns its result and its whole output."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(_CHILD))
-    env = subprocess_env()
-    env["MALLOC_ARENA_MAX"] = "2"  # each malloc arena reserves 64 MiB of address space: keep the limit meaningful
-    proc = subprocess.run([sys.executable, str(script), str(root), op, str(limit_as)], env=env, capture_output=True,
-                          text=True, timeout=150, stdin=subprocess.DEVNULL)
+    proc = run_python([str(script), str(root), op, str(limit_as)], env=subprocess_env(), timeout=150)
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"the child crashed ({proc.returncode}):\n{output[-3000:]}"

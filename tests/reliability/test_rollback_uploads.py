@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from tests._support.helpers import assert_tree_equal, subprocess_env
+from tests._support.procs import run_python
 from tests._support.remote import wait_for
 from tierckpt import CheckpointManager
 from tierckpt.format import layout
@@ -111,12 +110,10 @@ def test_a_kill_during_rollback_to_and_a_retry_converge(setup, hit: int) -> None
     assert sorted(list_root(remote).steps) == [1, 2, 3, 4, 5, *range(11, 21)]
     env = {**subprocess_env(), "TIERCKPT_FAULT": f"rollback:{hit}"}
     spec = json.dumps({"local": str(local), "url": url, "kw": kw, "n": N})
-    proc = subprocess.run([sys.executable, "-c", _ROLLBACK, spec], capture_output=True, text=True, timeout=120,
-                          env=env, stdin=subprocess.DEVNULL)
+    proc = run_python(["-c", _ROLLBACK, spec], timeout=120, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     env.pop("TIERCKPT_FAULT")
-    proc = subprocess.run([sys.executable, "-c", _ROLLBACK, spec], capture_output=True, text=True, timeout=120,
-                          env=env, stdin=subprocess.DEVNULL)
+    proc = run_python(["-c", _ROLLBACK, spec], timeout=120, env=env)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
     assert sorted(list_root(remote).steps) == [1, 2, 3, 4, 5]
     assert sorted(list_root(open_store(str(local), tier="local")).steps) == [1, 2, 3, 4, 5]

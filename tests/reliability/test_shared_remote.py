@@ -6,14 +6,13 @@ or ``continue_remote_run=True``)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
 from tests._support.helpers import TESTS_DIR, run_cli, subprocess_env
+from tests._support.procs import run_python
 from tierckpt import CheckpointManager, RunConflictError
 from tierckpt.format import layout
 from tierckpt.storage.commit import read_step_manifest
@@ -32,8 +31,7 @@ def _state(step: int, tag: float) -> dict:
 
 
 def _job(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(JOB), json.dumps(spec)], capture_output=True, text=True,
-                          timeout=150, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    proc = run_python([str(JOB), json.dumps(spec)], timeout=150, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

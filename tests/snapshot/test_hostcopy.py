@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests._support.procs import run_python
 from tierckpt.snapshot import hostcopy
 
 needs_native = pytest.mark.skipif(not hostcopy.available, reason="the native host copy is not built")
@@ -259,6 +258,5 @@ def test_save_and_restore_fall_back_to_torch(tmp_path: Path, how: str) -> None:
     """Without the extension (not built, or ``TIERCKPT_HOSTCOPY=0``) a save and a restore go through torch."""
     block = "sys.modules['tierckpt.host._hostcopy'] = None  # as if the build had failed" if how == "not_built" else ""
     env = dict(os.environ, TIERCKPT_HOSTCOPY="0" if how == "env_off" else "1")
-    out = subprocess.run([sys.executable, "-c", _ROUND_TRIP.format(block=block), str(tmp_path / "c")],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = run_python(["-c", _ROUND_TRIP.format(block=block), str(tmp_path / "c")], timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -4,7 +4,6 @@ reading from the moto S3 server on loopback with several reads of one file in fl
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests._support.helpers import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
+from tests._support.procs import run_python
 from tests._support.steps import build_step, write_step
 from tierckpt import CheckpointManager, CorruptCheckpointError
 from tierckpt.format import layout
@@ -297,12 +297,11 @@ def test_a_failing_ranged_read_fails_the_restore_and_stops_every_read(tmp_path, 
 
 def test_cli_verify_takes_threads_and_read_concurrency(tmp_path, s3_bucket, s3_server) -> None:
     url, _ = _saved(tmp_path, s3_bucket, s3_server)
-    base = [sys.executable, "-m", "tierckpt", "verify", url, "--storage-option",
+    base = ["-m", "tierckpt", "verify", url, "--storage-option",
             f"client_kwargs.endpoint_url={s3_server.endpoint_url}"]
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*base, *extra], capture_output=True, text=True, env=subprocess_env(),
-                              cwd=str(REPO_ROOT), timeout=120, stdin=subprocess.DEVNULL)
+        return run_python([*base, *extra], env=subprocess_env(), cwd=REPO_ROOT, timeout=120)
 
     ok = run("--threads", "2", "--read-concurrency", "3")
     assert ok.returncode == 0 and "1 of 1 steps intact" in ok.stdout, cli_output(ok)
