@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ class Child:
         self.out, self.err = out, err
         #: a temporary folder of its output that :meth:`communicate` removes
         self.folder: Path | None = None
+        self._read = 0  # of its stdout, by readline()
         self._proc = forkserver().Process(
             target=run_as_main,
             args=(list(args), dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()), str(out),
@@ -136,6 +138,21 @@ class Child:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
         return out, err
+
+    def readline(self, timeout: float = 60) -> str:
+        """The next line it writes to stdout (as ``Popen.stdout.readline()``): waits up to ``timeout`` s for it;
+        what is there (possibly "") once it has exited or the time ran out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(self.out, "rb") as f:
+                f.seek(self._read)
+                data = f.read()
+            end = data.find(b"\n")
+            if end >= 0 or self.poll() is not None or time.monotonic() > deadline:
+                line = data if end < 0 else data[:end + 1]
+                self._read += len(line)
+                return line.decode(errors="replace")
+            time.sleep(0.02)
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")

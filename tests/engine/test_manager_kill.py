@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from tests._support.helpers import (
     step_path,
     subprocess_env,
 )
+from tests._support.procs import Child, start_python
 from tierckpt import CheckpointManager
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,23 +31,15 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).resolve().parent / "_core_kill_saver.py"
 
 
-def _spawn(mode: str, root: Path, seed: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), mode, str(root), str(seed)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=subprocess_env(),
-        cwd=str(TESTS_DIR),
-    )
+def _spawn(mode: str, root: Path, seed: int) -> Child:
+    return start_python([str(SCRIPT), mode, str(root), str(seed)], env=subprocess_env(), cwd=TESTS_DIR)
 
 
-def _kill_after_ready(proc: subprocess.Popen[str], delay: float, result: dict) -> None:
-    line = proc.stdout.readline() if proc.stdout else ""
+def _kill_after_ready(proc: Child, delay: float, result: dict) -> None:
+    line = proc.readline(timeout=120)
     if line.strip() != "READY":
         proc.kill()
-        result["error"] = f"child did not get ready: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+        result["error"] = f"child did not get ready: {line!r} {proc.errors()}"
         return
     time.sleep(delay)
     done_already = False
@@ -58,7 +49,7 @@ def _kill_after_ready(proc: subprocess.Popen[str], delay: float, result: dict) -
         done_already = True
     proc.wait(timeout=60)
     result["killed"] = not done_already and proc.returncode == -signal.SIGKILL
-    result["stderr"] = proc.stderr.read() if proc.stderr else ""
+    result["stderr"] = proc.communicate()[1]
 
 
 def _run_trials(mode: str, roots: list[Path], seeds: list[int], delays: list[float]) -> list[dict]:

@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from tests._support.helpers import REPO_ROOT, assert_tree_equal, cli_output, subprocess_env
+from tests._support.procs import Child, start_python
 from tierckpt import CheckpointManager
 from tierckpt.format import layout
 from tierckpt.storage.fsspec_store import FsspecStore
@@ -49,13 +49,11 @@ def _empty(n: int = 40_000, zeros: int = 0) -> dict[str, Any]:
     }
 
 
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tierckpt", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=subprocess_env(),
-                            cwd=str(REPO_ROOT))
+def _cli(*args: str) -> Child:
+    return start_python(["-m", "tierckpt", *args], env=subprocess_env(), cwd=REPO_ROOT)
 
 
-def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+def _finish(proc: Child) -> subprocess.CompletedProcess:
     out, err = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -219,12 +217,11 @@ _CHILD = textwrap.dedent("""
 def test_sigkill_mid_upload_resumes_on_restart(tmp_path, s3_server, s3_bucket, caplog):
     url = f"{s3_bucket}/run"
     local = tmp_path / "nvme"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(local), url, s3_server.endpoint_url],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                             env=subprocess_env(), cwd=str(tmp_path))
+    child = start_python(["-c", _CHILD, str(local), url, s3_server.endpoint_url], folder=tmp_path,
+                         env=subprocess_env(), cwd=tmp_path)
     try:
-        line = child.stdout.readline() if child.stdout else ""
-        assert line.strip() == "PERSISTED", f"{line!r} {child.stderr.read() if child.stderr else ''}"
+        line = child.readline(timeout=120)
+        assert line.strip() == "PERSISTED", f"{line!r} {child.errors()}"
         time.sleep(0.7)  # into the throttled upload of step 2
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
