@@ -120,6 +120,8 @@ class CheckpointManager:
         remote_direct_io: bool | None = Options.remote_direct_io,
         overlap_writes: bool | None = Options.overlap_writes,
         huge_pages: bool | None = Options.huge_pages,
+        incremental: bool = Options.incremental,
+        full_every: int | None = Options.full_every,
         collective_timeout_s: float = Options.collective_timeout_s,
         remote_timeout_s: float = Options.remote_timeout_s,
         max_upload_backlog: int = Options.max_upload_backlog,

@@ -39,6 +39,13 @@ class LocalTierOptions:
     #: large host buffers on transparent huge pages (None: where the kernel offers them). False on VMs where fresh
     #: huge pages are slow (a balloon reporting free memory to the host)
     huge_pages: bool | None = None
+    #: a save writes (and uploads) only the tensors whose bytes differ from those of the newest step committed in
+    #: that tier, and references that step's stored bytes for the rest (single-rank jobs; docs/format.md,
+    #: "Incremental steps")
+    incremental: bool = False
+    #: with ``incremental``: every that many saves, a step is written whole, so that the older steps it would
+    #: reference can go (None: only when nothing can be referenced)
+    full_every: int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,10 @@ class Options(Heuristics, DistributedOptions, RemoteTierOptions, LocalTierOption
         pos_int("upload_part_mb")
         pos_int("remote_read_concurrency")
         pos_int("remote_write_concurrency")
+        pos_int("full_every", True)
+        if self.full_every is not None and self.incremental is not True:
+            raise ValueError(f"full_every applies to incremental saves: pass incremental=True with "
+                             f"full_every={self.full_every!r}")
         if not 5 <= self.upload_part_mb <= 5120:
             raise ValueError(f"upload_part_mb must be between 5 and 5120 (S3's smallest and largest part), got "
                              f"{self.upload_part_mb!r}")
@@ -172,7 +183,7 @@ class Options(Heuristics, DistributedOptions, RemoteTierOptions, LocalTierOption
         if self.remote_compression not in (None, "zstd"):
             raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
         for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io",
-                     "create_bucket", "continue_remote_run"):
+                     "create_bucket", "continue_remote_run", "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("pin_memory", "overlap_writes", "remote_direct_io", "huge_pages"):

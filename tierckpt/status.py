@@ -35,6 +35,10 @@ class StepInfo:
     world_size: int | None = None
     #: ranks whose shards the first listed tier holds (None: all of them)
     ranks_here: tuple[int, ...] | None = None
+    #: of ``bytes``, those stored in earlier steps' folders and referenced by this (incremental) step, and those
+    #: steps (0 and empty for a step that holds all its bytes; None where unreadable)
+    shared_bytes: int | None = None
+    refs: tuple[int, ...] = ()
 
 
 def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uploading: set[int], *,
@@ -62,15 +66,15 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
         except Exception:
             m = None
         if m is None:
-            return None, None, True, None, None
-        return m.total_bytes, m.created, False, m.world_size, m.holds_ranks
+            return None, None, True, None, None, None, ()
+        return m.total_bytes, m.created, False, m.world_size, m.holds_ranks, m.shared_bytes, m.refs
 
     # one manifest read per step: issued together when some steps come from the remote (an object store)
     remote_only = remote is not None and any(step not in loc for step in rem)
     found = each(manifest, steps, concurrency=remote.read_concurrency if remote_only else 1)
     has_remote = remote is not None if remote_configured is None else remote_configured
     out = []
-    for step, (size, created, broken, world, held) in zip(steps, found):
+    for step, (size, created, broken, world, held, shared, refs) in zip(steps, found):
         if broken:
             state = "failed"
         elif step in loc and step in rem:
@@ -81,5 +85,5 @@ def list_steps(local: Store, remote: Store | None, upload_failed: set[int], uplo
             state = "upload-failed"
         else:
             state = "local" if step in loc else "remote"
-        out.append(StepInfo(step, step in loc, step in rem, state, size, created, world, held))
+        out.append(StepInfo(step, step in loc, step in rem, state, size, created, world, held, shared, refs))
     return out

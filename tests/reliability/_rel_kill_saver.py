@@ -6,7 +6,8 @@ trial. The server stays single-threaded (it never runs a torch op nor starts a m
 Protocol: one JSON object per stdin line, one JSON answer per stdout line.
 
 request ``{"root": str, "remote": str|null, "fault": "point[:n]"|null, "kill_after": float|null, "seed": int,
-"steps": int, "progress": str}``; the child opens ``CheckpointManager(root, remote, keep_local=2, keep_remote=2)``
+"steps": int, "progress": str}`` (and optionally ``"incremental": true``: :data:`INCREMENTAL_KW` and
+:func:`inc_state`); the child opens ``CheckpointManager(root, remote, keep_local=2, keep_remote=2)``
 and saves steps 1..``steps`` (``rel_state(step, seed)``), calling ``wait()`` after each and appending ``done <step>``
 to the ``progress`` file (``start <step>`` before each save). ``fault`` arms ``tierckpt.faults`` exactly as
 ``TIERCKPT_FAULT`` does at import; ``kill_after`` makes the server SIGKILL the child that many seconds after the fork.
@@ -51,6 +52,17 @@ def rel_empty() -> dict[str, Any]:
 
 
 MANAGER_KW: dict[str, Any] = {"keep_local": 2, "file_size_mb": 1, "writer_threads": 2, "upload_threads": 2}
+#: what a request with ``"incremental": true`` adds (tests/reliability/test_incremental_kill.py)
+INCREMENTAL_KW: dict[str, Any] = {"incremental": True, "full_every": 3}
+
+
+def inc_state(step: int, seed: int) -> dict[str, Any]:
+    """:func:`rel_state` with a tensor ``w`` that never changes (a frozen base): incremental saves reference it."""
+    import torch
+
+    state = rel_state(step, seed)
+    state["w"] = torch.randn(160_000, generator=torch.Generator().manual_seed(seed))
+    return state
 
 
 def _child(req: dict[str, Any]) -> None:
@@ -62,12 +74,14 @@ def _child(req: dict[str, Any]) -> None:
     faults._target = faults._parse(spec)  # what the import does with TIERCKPT_FAULT
     faults._hits = 0
     remote = req.get("remote")
+    inc = bool(req.get("incremental"))
+    kw = {**MANAGER_KW, **(INCREMENTAL_KW if inc else {})}
     with open(req["progress"], "a") as prog:
-        mgr = CheckpointManager(req["root"], remote=remote, keep_remote=2 if remote else None, **MANAGER_KW)
+        mgr = CheckpointManager(req["root"], remote=remote, keep_remote=2 if remote else None, **kw)
         for step in range(1, int(req["steps"]) + 1):
             prog.write(f"start {step}\n")
             prog.flush()
-            mgr.save(step, rel_state(step, int(req["seed"])))
+            mgr.save(step, (inc_state if inc else rel_state)(step, int(req["seed"])))
             mgr.wait()
             prog.write(f"done {step}\n")
             prog.flush()

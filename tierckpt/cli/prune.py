@@ -295,23 +295,30 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 print(f"keeping step {protected}: {why}")
         kept = [s for s in steps if s not in doomed]
         deleted: list[int] = []
-        for step in doomed:
+        # newest first: an incremental step goes before the steps it references, which are then free to go
+        for step in (doomed if args.dry_run else sorted(doomed, reverse=True)):
             where = url_of(store, layout.step_dir(step))
             if args.dry_run:
                 if not args.json:
                     print(f"would delete step {step} ({where})")
                 continue
             try:
-                delete_step(store, step)
+                gone = delete_step(store, step)
             except (CheckpointError, OSError) as exc:
                 failures.append(translate(exc, op="delete", tier=store.tier, url=where, step=step))
                 msg = clean(args, f"step {step}: FAILED to delete {where}: {exc}")
                 errors.append(msg)
                 print(msg, file=sys.stderr)
                 continue
+            if not gone:  # a kept step references its bytes (incremental steps)
+                kept = sorted([*kept, step])
+                if not args.json:
+                    print(f"keeping step {step}: a step kept references its bytes")
+                continue
             deleted.append(step)
             if not args.json:
                 print(f"deleted step {step} ({where})")
+        deleted.sort()
         leftovers, young = _prune_leftovers(args, store, failures, errors) if args.leftovers else ([], [])
     finally:
         store.close()

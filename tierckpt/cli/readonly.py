@@ -77,6 +77,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         held = ranks_held(i.world_size, i.ranks_here)
         return f"{i.world_size} (here: {'all' if held is None else held})"
 
+    def shared(i: Any) -> str:  # an incremental step: the bytes it references in earlier steps, and where
+        if not i.refs or i.shared_bytes is None:
+            return "-"
+        steps = ",".join(map(str, i.refs[:3])) + (",..." if len(i.refs) > 3 else "")
+        return f"{i.shared_bytes / 2**20:.1f} MiB in {steps}"
+
     code = EXIT_OK if remote_error is None else EXIT_UNAVAILABLE
     if args.json:
         doc: dict[str, Any] = {
@@ -84,7 +90,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "steps": [{"step": i.step, "state": state(i), "local": i.local,
                        "remote": None if remote_error is not None else i.remote, "bytes": i.bytes,
                        "created": i.created, "world_size": i.world_size,
-                       "ranks_here": ranks_held(i.world_size, i.ranks_here)} for i in infos],
+                       "ranks_here": ranks_held(i.world_size, i.ranks_here),
+                       "own_bytes": None if i.bytes is None or i.shared_bytes is None else i.bytes - i.shared_bytes,
+                       "shared_bytes": i.shared_bytes, "refs": list(i.refs)} for i in infos],
             "incomplete": listing.incomplete,
         }
         if remote is not None and remote_error is not None:
@@ -94,11 +102,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not infos and not listing.incomplete:
         print(f"no checkpoints under {store.url}")
         return code
-    print(f"{'STEP':>12}  {'STATE':<13} {'SIZE':>10}  {'CREATED':<19}  RANKS")
+    print(f"{'STEP':>12}  {'STATE':<13} {'SIZE':>10} {'OWN':>10}  {'SHARED':<22} {'CREATED':<19}  RANKS")
     for i in infos:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.created)) if i.created else "?"
         size = f"{i.bytes / 2**20:.1f} MiB" if i.bytes is not None else "?"
-        print(f"{i.step:>12}  {state(i):<13} {size:>10}  {created:<19}  {ranks(i)}")
+        own = f"{(i.bytes - (i.shared_bytes or 0)) / 2**20:.1f} MiB" if i.bytes is not None else "?"
+        print(f"{i.step:>12}  {state(i):<13} {size:>10} {own:>10}  {shared(i):<22} {created:<19}  {ranks(i)}")
     for name in listing.incomplete:
         print(f"{'-':>12}  {'incomplete':<12} {'':>10}  {name} (leftover of an unfinished save)")
     return code

@@ -203,7 +203,8 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
     except BaseException:
         w.abort()
         raise
-    return dataclasses.replace(rec, compression=None, stored_size=None)
+    # a file an incremental step references in an earlier step's folder is carried into the pulled step's own
+    return dataclasses.replace(rec, compression=None, stored_size=None, in_step=None)
 
 
 def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
@@ -218,6 +219,7 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
     visible in ``local`` then. :class:`~tierckpt.errors.StorageError` when a store cannot be read or
     written."""
     from ..storage.commit import protocol_for
+    from ..tiers.incremental import with_refs
     from ..tiers.reader import check_sizes, read_manifests
 
     def manifests() -> tuple[StepManifest, list[RankManifest]]:
@@ -244,10 +246,12 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
             records = list(pool.map(lambda j: _pull_file(remote, local, j[0], j[1], staging, progress), jobs))
         pos = 0
         refs = []
+        pulled = []
         for rm, ref in zip(rms, manifest.ranks):
             files = tuple(records[pos : pos + len(rm.files)])
             pos += len(rm.files)
             new_rm = rm if files == rm.files else dataclasses.replace(rm, files=files)
+            pulled.append(new_rm)
             raw = new_rm.to_bytes() if new_rm is not rm else remote.read_bytes(
                 join(layout.step_dir(step), ref.name), max_size=ref.size)
             if new_rm is rm and (len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum):
@@ -258,6 +262,7 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
             refs.append(dataclasses.replace(ref, size=len(raw), checksum=hashing.digest(raw).hex()))
             local.write_bytes(join(staging, ref.name), raw)
         out = manifest if tuple(refs) == manifest.ranks else dataclasses.replace(manifest, ranks=tuple(refs))
+        out = with_refs(out, pulled)  # what was referenced is the pulled step's own now
         local.write_bytes(join(staging, layout.STEP_MANIFEST), out.to_bytes())
         protocol.commit(local, staging, step)
     except BaseException:

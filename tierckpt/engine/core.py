@@ -9,6 +9,7 @@ them. Everything else it refers to belongs to the manager, which closes it.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..options import Options
 from ..storage.base import Store
 from ..tiers.bounce import BounceBuffers
+from ..tiers.incremental import Incremental
 
 if TYPE_CHECKING:
     from ..distributed import Coordinator
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from ..storage.local import LocalStore
     from ..tiers.identity import RunIdentity
 
+log = logging.getLogger(__name__)
 
 class Engine:
     """The manager's machinery as its satellite modules see it (attributes, set once by the manager):
@@ -51,6 +54,12 @@ class Engine:
         self.continues_remote = False
         #: the remote's run identity as last read (None: not read yet, or none recorded)
         self.remote_run: RunIdentity | None = None
+        #: the local tier's incremental-save state (``options.incremental``, single-rank jobs), else None
+        self.incremental: Incremental | None = None
+        if options.incremental and world_size == 1:
+            self.incremental = Incremental(options.full_every)
+        elif options.incremental:
+            log.warning("rank %d: incremental=True: the steps of a multi-rank job are written whole", rank)
 
     def close(self) -> None:
         """Drop the bounce buffers (their memory is unmapped with them)."""

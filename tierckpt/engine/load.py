@@ -40,12 +40,12 @@ import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..format import hashing, layout
-from ..format.manifest import RankManifest, StepManifest, TensorRecord
+from ..format.manifest import RankManifest, StepManifest, TensorRecord, file_rel
 from ..snapshot.decode import decode_tree
 from ..snapshot.dtypes import CODE_TO_NUMPY, CODE_TO_TORCH
 from ..snapshot.loaded import byte_view
 from ..snapshot.staging import aligned_empty
-from ..storage.base import Store, join
+from ..storage.base import Store
 from ..storage.readahead import ReadAhead
 from ..tiers.backing import prove_backed
 from ..tiers.listing import TierListings, first_intact
@@ -223,7 +223,7 @@ def _check_disjoint(store: Store, rm: RankManifest, by_file: dict[int, list[Tens
                 name = rm.files[index].name
                 raise CorruptCheckpointError(f"tensors {prev.path} and {rec.path} overlap in {name}", step=rm.step,
                                              tier=store.tier, bad_files=[name],
-                                             path=f"{store.url}/{join(layout.step_dir(rm.step), name)}")
+                                             path=f"{store.url}/{file_rel(rm.step, rm.files[index])}")
 
 
 def _empty(rec: TensorRecord) -> Value:
@@ -267,7 +267,7 @@ def _read_run(store: Store, rm: RankManifest, index: int, run: list[TensorRecord
     """Read one run of adjacent records of file ``index`` into ``dests`` and match each record's bytes, where they
     landed, against its checksum."""
     f = rm.files[index]
-    rel = join(layout.step_dir(rm.step), f.name)
+    rel = file_rel(rm.step, f)
     start = run[0].offset
     views = [dests[rec.index] for rec in run]
     want = sum(v.nbytes for v in views)

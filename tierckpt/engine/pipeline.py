@@ -224,7 +224,7 @@ class SavePipeline:
             snap = writer.RankSnapshot(step, eng.rank, eng.world_size, sid, files, leaves_meta, tree_json, metadata,
                                        progress.wait_released)
             if eng.coord is None:
-                writer.persist(eng.local, snap, eng.io, eng.hash)
+                writer.persist(eng.local, snap, eng.io, eng.hash, eng.incremental)
             else:
                 _sharded.persist(eng, snap, release=release)
         except BaseException as exc:

@@ -310,11 +310,13 @@ def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views
     if local.exists(join(layout.step_dir(step), layout.STEP_MANIFEST)):
         return
     protocol = protocol_for(local)
-    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, compression=None, stored_size=None)
+    # every file is written into the cached step's own folder, those an incremental step referenced included
+    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, compression=None, stored_size=None, in_step=None)
                                                 for f in rm.files))
     raw = plain.to_bytes()
     name = layout.rank_manifest_name(rm.rank, rm.save_id)
-    step_manifest = dataclasses.replace(manifest, ranks=(RankRef(rm.rank, name, len(raw), hashing.digest(raw).hex()),))
+    step_manifest = dataclasses.replace(manifest, ranks=(RankRef(rm.rank, name, len(raw), hashing.digest(raw).hex()),),
+                                        refs=(), shared_bytes=0)
     folder = layout.tmp_dir(step, rm.save_id)
     try:
         folder = protocol.begin(local, step, rm.save_id)

@@ -54,7 +54,9 @@ def apply_local_retention(eng: Engine, retention: ReplicationPolicy) -> None:
     if eng.coord is not None and not eng.coord.topology.is_node_leader:
         return
     try:
-        for step, _why in retention.local_deletions(list_root(eng.local).steps, replicated=None):
+        # newest first: an incremental step goes before the steps it references, which can then go too
+        deletions = retention.local_deletions(list_root(eng.local).steps, replicated=None)
+        for step, _why in sorted(deletions, key=lambda d: -d[0]):
             uploader.delete_step(eng.local, step)
     except Exception as exc:
         log.warning("tier local: retention failed under %s: %s", eng.local.url, exc)

@@ -30,7 +30,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError
-from . import hashing
+from . import hashing, layout
 from .checks import JSON_MEMORY_PER_BYTE, check_json_memory, check_shape, json_memory_estimate, unique_keys
 from .dtypes import ITEMSIZE
 from .layout import check_file_name
@@ -46,6 +46,10 @@ from .tensors import (
 
 FORMAT = "tierckpt"
 FORMAT_VERSION = 2
+#: The version written for a manifest that references files of earlier steps (an incremental step): readers that
+#: predate references refuse it instead of looking for those files in the step's own folder. Steps without
+#: references keep :data:`FORMAT_VERSION`.
+REFS_FORMAT_VERSION = 3
 #: No manifest is read (or written) if larger than this (bytes). Saves write about 250 bytes per tensor record (400
 #: with a DTensor shard's description) and its key path in the tree: this holds some 300,000 sharded records per
 #: rank (a 600-layer-equivalent MoE with unfused experts and Adam states), and parses in under 1 GiB.
@@ -53,8 +57,11 @@ MAX_MANIFEST_BYTES = 128 << 20
 #: bounds of a rank's mesh index (:mod:`.shards`): the meshes its shards lie on, and their dimensions
 MAX_MESHES = 64
 MAX_MESH_DIMS = 16
-#: Format versions this library reads (1: one JSON object per tensor record; 2: the tensor table of :mod:`.tensors`).
-READS_VERSIONS = (1, 2)
+#: bound on the earlier steps one step may reference
+MAX_REFS = 4096
+#: Format versions this library reads (1: one JSON object per tensor record; 2: the tensor table of :mod:`.tensors`;
+#: 3: version 2 plus files held in earlier steps' folders, :attr:`FileRecord.in_step`).
+READS_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,40 @@ class FileRecord:
     #: Set in a remote copy stored compressed: the codec ("zstd") and the stored (compressed) size.
     compression: str | None = None
     stored_size: int | None = None
+    #: The earlier committed step whose folder holds this file (an incremental step references that step's stored
+    #: bytes instead of writing them again); None: the file is in this step's own folder.
+    in_step: int | None = None
+    #: A file this step shares with others (``in_step``, or carried over from one, :mod:`tierckpt.tiers.uploader`):
+    #: every segment end of the stored file after its header's (each tensor's end, in file order,
+    #: those this manifest does not list included), so that the file's checksum can be verified whole though this
+    #: step uses only some of its tensors.
+    cuts: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d = _shallow(self)
+        if d["in_step"] is None:  # a step without references keeps the version-2 form
+            del d["in_step"]
+        if self.cuts:
+            d["cuts"] = list(self.cuts)
+        else:
+            del d["cuts"]
+        return d
+
+
+def folder_of(step: int, f: FileRecord) -> str:
+    """The step folder (relative to the tier's root) that holds file ``f`` of a manifest of ``step``: its own, or
+    the earlier step it references. Never leaves the root: both are step numbers, not paths."""
+    return layout.step_dir(step if f.in_step is None else f.in_step)
+
+
+def file_rel(step: int, f: FileRecord) -> str:
+    """Where file ``f`` of a manifest of ``step`` is stored, relative to the tier's root."""
+    return f"{folder_of(step, f)}/{f.name}"
+
+
+def shared_steps(files: tuple[FileRecord, ...] | list[FileRecord]) -> tuple[int, ...]:
+    """The earlier steps whose folders hold some of ``files``, sorted."""
+    return tuple(sorted({f.in_step for f in files if f.in_step is not None}))
 
 
 @dataclass(frozen=True)
@@ -87,13 +128,19 @@ class RankManifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the files this step references in earlier steps' folders (part of :attr:`total_bytes`)."""
+        return sum(f.size for f in self.files if f.in_step is not None)
+
     def to_bytes(self) -> bytes:
         """The sealed manifest in the current format (whatever version it was read from)."""
         d = _shallow(self)
-        d["files"] = [_shallow(f) for f in self.files]
+        d["files"] = [f.to_json() for f in self.files]
         d["tensors"] = encode_table(self.tensors)
         d["format"] = FORMAT + ".rank"
-        d["format_version"] = FORMAT_VERSION
+        shares = any(f.in_step is not None or f.cuts for f in self.files)
+        d["format_version"] = REFS_FORMAT_VERSION if shares else FORMAT_VERSION
         return check_writable(_seal(d), "rank manifest", self.step)
 
     @classmethod
@@ -111,6 +158,8 @@ class RankManifest:
     def _parse(cls, raw: bytes, *, step: int | None, path: str | None, digest_verified: bool) -> RankManifest:
         d = _unseal(raw, FORMAT + ".rank", step=step, path=path, check=not digest_verified)
         g = _Getter(d, step, path)
+        own_step = g.int("step")
+        refs_allowed = g.int("format_version") >= REFS_FORMAT_VERSION
         files = []
         for i, fd in enumerate(g.list("files")):
             fg = _Getter(fd, step, path, f"files[{i}]")
@@ -121,6 +170,12 @@ class RankManifest:
             comp = fg.opt_str("compression")
             if comp not in (None, "zstd"):
                 raise CorruptCheckpointError(f"unknown compression {comp!r}", step=step, path=path)
+            in_step = fg.opt_int("in_step")
+            if in_step is not None and (not refs_allowed or in_step >= own_step):
+                raise CorruptCheckpointError(f"files[{i}].in_step {in_step} is not an earlier step"
+                                             if refs_allowed else f"files[{i}].in_step in a version-"
+                                             f"{g.int('format_version')} manifest", step=step, path=path)
+            cuts = _cuts(fd.get("cuts") if refs_allowed else None, data_start, size, f"files[{i}]", step, path)
             files.append(
                 FileRecord(
                     name=check_file_name(fg.str("name"), step=step, path=path),
@@ -129,6 +184,8 @@ class RankManifest:
                     data_start=data_start,
                     compression=comp,
                     stored_size=fg.opt_int("stored_size"),
+                    in_step=in_step,
+                    cuts=cuts,
                 )
             )
         names = [f.name for f in files]
@@ -265,13 +322,23 @@ class StepManifest:
     library_version: str = __version__
     format_version: int = FORMAT_VERSION
     hash_algorithm: str = hashing.ALGORITHM
+    #: The earlier steps whose folders hold files this step's rank manifests reference (sorted; empty for a step
+    #: that holds all its bytes): retention keeps those steps while this one is kept.
+    refs: tuple[int, ...] = ()
+    #: Bytes of :attr:`total_bytes` held in those earlier steps' folders (the rest, this step's own).
+    shared_bytes: int = 0
 
     def to_bytes(self) -> bytes:
         """The sealed manifest in the current format (whatever version it was read from)."""
         d = _shallow(self)
         d["ranks"] = [r.to_json() for r in self.ranks]
         d["format"] = FORMAT + ".step"
-        d["format_version"] = FORMAT_VERSION
+        if self.refs:
+            d["refs"] = list(self.refs)
+            d["format_version"] = REFS_FORMAT_VERSION
+        else:  # a step without references keeps the version-2 form
+            del d["refs"], d["shared_bytes"]
+            d["format_version"] = FORMAT_VERSION
         return check_writable(_seal(d), "step manifest", self.step)
 
     @classmethod
@@ -317,11 +384,37 @@ class StepManifest:
             format_version=g.int("format_version"),
             hash_algorithm=g.str("hash_algorithm"),
             holds_ranks=holds,
+            refs=_refs(d.get("refs"), g.int("step"), g.int("format_version"), step, path),
+            shared_bytes=g.opt_int("shared_bytes") or 0,
         )
+        if m.shared_bytes > m.total_bytes or bool(m.shared_bytes) and not m.refs:
+            raise CorruptCheckpointError(f"manifest claims {m.shared_bytes} shared bytes of {m.total_bytes}"
+                                         + ("" if m.refs else " but references no step"), step=step, path=path)
         if step is not None and m.step != step:
             raise CorruptCheckpointError(f"manifest is for step {m.step}, found in the folder of step {step}",
                                          step=step, path=path)
         return m
+
+
+def _cuts(v: Any, data_start: int, size: int, where: str, step: int | None, path: str | None) -> tuple[int, ...]:
+    """A referenced file's segment ends: non-decreasing (an empty tensor's segment ends where the one before it
+    does), none inside its header, the last one its size."""
+    if v is None:
+        return ()
+    if (not isinstance(v, list) or not v or not all(type(c) is int for c in v)
+            or v[0] < data_start or v[-1] != size or any(a > b for a, b in zip(v, v[1:]))):
+        raise CorruptCheckpointError(f"{where}: bad cuts {str(v)[:80]}", step=step, path=path)
+    return tuple(v)
+
+
+def _refs(v: Any, own: int, version: int, step: int | None, path: str | None) -> tuple[int, ...]:
+    """A step manifest's ``refs``: distinct earlier steps in ascending order (version 3 on)."""
+    if v is None:
+        return ()
+    if (version < REFS_FORMAT_VERSION or not isinstance(v, list) or len(v) > MAX_REFS
+            or not all(type(s) is int and 0 <= s < own for s in v) or sorted(set(v)) != v):
+        raise CorruptCheckpointError(f"bad refs {str(v)[:80]}", step=step, path=path)
+    return tuple(v)
 
 
 def _mesh_index(v: Any, step: int | None, path: str | None) -> MeshIndex:
@@ -422,7 +515,7 @@ def _unseal(raw: bytes, kind: str, *, step: int | None, path: str | None, check:
     if type(version) is not int or version not in READS_VERSIONS:
         raise CorruptCheckpointError(
             f"manifest format version {version!r} is not supported by tierckpt {__version__} "
-            f"(reads up to {FORMAT_VERSION})",
+            f"(reads up to {READS_VERSIONS[-1]})",
             step=step,
             path=path,
         )

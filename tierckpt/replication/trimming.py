@@ -30,7 +30,9 @@ class Trimming:
                     replicated = set(self._replicated)
                     remote = set(self._remote_steps or ())
                     current = self._current
-                for step, why in self.policy.local_deletions(local, replicated=replicated, remote=remote):
+                # newest first: an incremental step goes before the steps it references, which can then go too
+                deletions = self.policy.local_deletions(local, replicated=replicated, remote=remote)
+                for step, why in sorted(deletions, key=lambda d: -d[0]):
                     if why != REPLICATED and (self._channel is not None or step == current):
                         continue  # multi-rank: unreplicated steps go only when the leader's decision says so
                     self._log_deletion(step, why)
@@ -53,10 +55,10 @@ class Trimming:
         try:
             steps = set(list_root(self.remote).steps)
             keep = self.policy.remote_keeps(steps)
-            for step in sorted(steps - keep):
-                delete_step(self.remote, step)
+            # newest first: a step an incremental step references is held until that step goes
+            held = {step for step in sorted(steps - keep, reverse=True) if not delete_step(self.remote, step)}
             with self._cond:
-                self._listed(set(keep))
+                self._listed(set(keep) | held)
         except Exception as exc:
             log.warning("tier remote: retention failed under %s: %s", self.remote.url, exc)
 

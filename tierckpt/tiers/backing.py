@@ -23,8 +23,7 @@ import logging
 import os
 from collections.abc import Iterable
 
-from ..format import layout
-from ..format.manifest import FileRecord, RankManifest
+from ..format.manifest import FileRecord, RankManifest, file_rel
 from ..storage.base import Store
 from .stream import stream_file
 
@@ -73,7 +72,7 @@ def unbacked(store: Store, rm: RankManifest, f: FileRecord) -> str | None:
         return None
     if store.local_path is None:
         return None
-    path = os.path.join(store.local_path, layout.step_dir(rm.step), f.name)
+    path = os.path.join(store.local_path, *file_rel(rm.step, f).split("/"))
     holes = hole_bytes(path, f.size)
     if holes > HOLE_PROOF_BYTES:
         return f"a sparse file: more than {holes >> 20} MiB of its {f.size >> 20} MiB are holes"

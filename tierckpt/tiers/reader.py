@@ -43,7 +43,7 @@ from itertools import accumulate
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest, file_rel
 from ..host.memory import buffer_address
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
@@ -144,7 +144,6 @@ def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = N
 def check_sizes(store: Store, rm: RankManifest) -> None:
     """Compare every file's size on the store with the manifest before anything is allocated (the sizes asked for
     together on an object store)."""
-    folder = layout.step_dir(rm.step)
 
     def size(rel: str) -> int | None:
         try:
@@ -152,7 +151,7 @@ def check_sizes(store: Store, rm: RankManifest) -> None:
         except FileNotFoundError:
             return None
 
-    rels = [join(folder, f.name) for f in rm.files]
+    rels = [file_rel(rm.step, f) for f in rm.files]
     for f, rel, actual in zip(rm.files, rels, each(size, rels, concurrency=store.read_concurrency)):
         if actual is None:
             raise CorruptCheckpointError("data file missing", step=rm.step, tier=store.tier, path=f"{store.url}/{rel}",

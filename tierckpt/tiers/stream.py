@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from collections.abc import Callable, Generator
 from contextlib import closing
 from functools import partial
@@ -30,7 +31,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..format import hashing, layout
-from ..format.manifest import FileRecord, RankManifest
+from ..format.manifest import FileRecord, RankManifest, file_rel
 from ..storage.base import Store, join
 from ..storage.readahead import ReadAhead
 
@@ -47,6 +48,8 @@ def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
     file's end."""
     f = rm.files[file_index]
     ranges = sorted((t.offset, t.offset + t.nbytes) for t in rm.tensors if t.file == file_index)
+    if f.cuts:
+        return _cut_ends(rm, f, ranges)
     ends = [f.data_start]
     pos = f.data_start
     for start, end in ranges:
@@ -61,12 +64,28 @@ def segment_ends(rm: RankManifest, file_index: int) -> list[int]:
     return ends
 
 
+def _cut_ends(rm: RankManifest, f: FileRecord, ranges: list[tuple[int, int]]) -> list[int]:
+    """The segment ends of a file an incremental step references (its record's ``cuts``): every listed tensor must
+    be exactly one of its segments."""
+    ends = [f.data_start, *f.cuts]
+    pos = f.data_start
+    for start, end in ranges:
+        if start == end:  # an empty tensor needs no bytes (an incremental step never references one)
+            continue
+        k = bisect_right(ends, start) - 1  # the last segment ending at ``start`` (empty segments come before it)
+        if start < pos or k < 0 or ends[k] != start or k + 1 == len(ends) or ends[k + 1] != end:
+            raise CorruptCheckpointError(f"tensor ranges of {f.name} do not match its segments", step=rm.step,
+                                         bad_files=[f.name])
+        pos = end
+    return ends
+
+
 def ends_early_error(store: Store, rm: RankManifest, index: int, at: int, *,
                      rel: str | None = None) -> CorruptCheckpointError:
     """File ``index`` holds fewer bytes than its record: it ends at byte ``at``. ``rel``: where it was read, when
     not in its step folder."""
     f = rm.files[index]
-    return _ends_early(store, join(layout.step_dir(rm.step), f.name) if rel is None else rel, f.name, rm.step, at)
+    return _ends_early(store, file_rel(rm.step, f) if rel is None else rel, f.name, rm.step, at)
 
 
 def _ends_early(store: Store, rel: str, name: str, step: int | None, at: int) -> CorruptCheckpointError:
@@ -79,9 +98,13 @@ def mismatch_error(store: Store, rm: RankManifest, index: int, digests: list[byt
     """File ``index`` does not hash to its checksum: the error names the first tensor whose segment digest
     (``digests``, in file order) differs from its record, or the header when every tensor matches."""
     f = rm.files[index]
-    rel = join(layout.step_dir(rm.step), f.name) if rel is None else rel
+    rel = file_rel(rm.step, f) if rel is None else rel
     tensors = sorted((t for t in rm.tensors if t.file == index), key=lambda t: (t.offset, t.offset + t.nbytes))
     what = "header"  # every tensor matching but the file not means the header segment differs
+    if f.cuts:
+        what = "header, or a tensor this step does not use"  # a referenced file: this step lists some of its tensors
+        by_end = dict(zip(f.cuts, digests[1:]))
+        digests = [b"", *(by_end.get(t.offset + t.nbytes, b"") for t in tensors)]
     for t, d in zip(tensors, digests[1:]):
         if d.hex() != t.checksum:
             what = f"tensor {t.path}"
@@ -195,7 +218,7 @@ class FileStream:
                  rel: str | None = None) -> None:
         self.store, self.rm, self.index = store, rm, index
         self.record = rm.files[index] if record is None else record
-        self.rel = join(layout.step_dir(rm.step), self.record.name) if rel is None else rel
+        self.rel = file_rel(rm.step, self.record) if rel is None else rel
         #: the file's segment hasher (raises ``ValueError`` when fed more bytes than the segments cover)
         self.seg = hashing.SegmentHasher(segment_ends(rm, index))
 

@@ -20,8 +20,7 @@ from typing import Any
 
 from .. import faults
 from ..errors import CorruptCheckpointError
-from ..format import layout
-from ..format.manifest import FileRecord, RankManifest
+from ..format.manifest import FileRecord, RankManifest, file_rel
 from ..storage.base import Store, join
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy
 from .stream import FileStream
@@ -216,7 +215,7 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
     ``check_size``: ask the store for the written file's size (one request; a caller that confirms every size with
     one listing later passes False)."""
     rec = rm.files[index]
-    src = join(layout.step_dir(rm.step), rec.name)
+    src = file_rel(rm.step, rec)
     dst = join(staging, rec.name)
     compress = compression == "zstd" and rec.compression is None
     # the local bytes are read the uploader's way (page-aligned, around the page cache) and checked as they go

@@ -31,17 +31,19 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from .. import faults
-from ..errors import CheckpointError, CorruptCheckpointError, StepConflictError, UploadError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StepConflictError, UploadError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for, read_step_manifest
 from ..storage.fsspec_store import DEFAULT_PART_SIZE
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy, is_transient
+from .incremental import pins, with_refs
 from .listing import list_remote_steps as list_remote_steps  # step listings and changes, imported from here too
 from .listing import list_steps as list_steps
 from .reader import check_sizes, read_manifests
@@ -148,6 +150,9 @@ def replicate_step(
     manifest, raw_step, ranks = _read_local_step(local, step)
     n_files = sum(len(rm.files) for rm, _ in ranks)
 
+    held = ExitStack()  # the earlier remote steps this one may reference stay while it is uploaded
+    held.enter_context(pins(remote, tuple(sorted({f.in_step for rm, _r in ranks for f in rm.files
+                                                  if f.in_step is not None}))))
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierckpt-upload-{step}")
     protocol = protocol_for(remote)
     staging: str | None = None
@@ -173,13 +178,21 @@ def replicate_step(
             log.info("step %d, tier %s: uploading %d files (%d bytes) to %s%s", step, remote.tier, n_files,
                      manifest.total_bytes, url_of(remote, staging), f" with {compression}" if compression else "")
 
+            shared = _remote_shares(ctx, remote, [rm for rm, _raw in ranks])
             jobs = []
             for rm, _raw in ranks:
                 for i, rec in enumerate(rm.files):
                     rel = join(staging, rec.name)
+                    there = shared.get((rec.in_step, rec.name, rec.checksum))
+                    if there is not None:  # stored once: the remote's copy of the earlier step is referenced
+                        there = dataclasses.replace(there, in_step=rec.in_step, cuts=rec.cuts)
+                        jobs.append((rel, lambda there=there: (there, 0, 0)))
+                        continue
                     jobs.append((rel, file_job(local, remote, ctx, rm, i, staging, rel, part_size, compression,
                                                 compression_level, verify)))
-            results = run_jobs(pool, ctx, jobs)
+            # an uploaded file is the step's own there, also one carried over from a step the remote lacks
+            results = [(rec if r == 0 and w == 0 and rec.in_step is not None
+                        else dataclasses.replace(rec, in_step=None), r, w) for rec, r, w in run_jobs(pool, ctx, jobs)]
             ctx.sent()
 
             # rank manifests: unchanged bytes unless a file's stored form changed
@@ -198,8 +211,11 @@ def replicate_step(
                 rank_jobs.append((rel, bytes_job(remote, ctx, rel, raw, "write rank manifest", verify)))
             run_jobs(pool, ctx, rank_jobs)
 
-            if tuple(new_refs) != manifest.ranks:
-                raw_step = dataclasses.replace(manifest, ranks=tuple(new_refs)).to_bytes()
+            remote_rms = [dataclasses.replace(rm, files=tuple(rec for rec, _r, _w in results[a:b]))
+                          for (rm, _raw), a, b in _spans(ranks)]
+            new_manifest = with_refs(dataclasses.replace(manifest, ranks=tuple(new_refs)), remote_rms)
+            if new_manifest != manifest:
+                raw_step = new_manifest.to_bytes()
             rel = join(staging, layout.STEP_MANIFEST)
             faults.point("before-remote-manifest")
             manifest_started = True
@@ -218,6 +234,7 @@ def replicate_step(
     finally:
         ctx.stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
+        held.close()
 
     bytes_read = sum(r for _rec, r, _w in results)
     bytes_written = sum(w for _rec, _r, w in results)
@@ -225,6 +242,41 @@ def replicate_step(
     log.info("step %d, tier %s: committed at %s: %d files, %d bytes read, %d written in %.2fs (%d retries)", step,
              remote.tier, url_of(remote, folder), n_files, bytes_read, bytes_written, seconds, ctx.retries)
     return ReplicationResult(step, bytes_read, bytes_written, seconds, n_files, ctx.retries, compression=compression)
+
+
+def _spans(ranks: list[tuple[RankManifest, bytes]]) -> list[tuple[tuple[RankManifest, bytes], int, int]]:
+    """Each rank with the span of its files in the flat list of a step's files."""
+    out, pos = [], 0
+    for r in ranks:
+        out.append((r, pos, pos + len(r[0].files)))
+        pos += len(r[0].files)
+    return out
+
+
+def _remote_shares(ctx: Transfer, remote: Store,
+                   rms: list[RankManifest]) -> dict[tuple[int | None, str, str], FileRecord]:
+    """The files an incremental local step references in earlier steps that the remote holds too, committed, with
+    the same name and checksum: each as the remote step's record of it (its stored form there), naming that step.
+    Those are not uploaded again. A referenced file the remote lacks is uploaded into the step's own folder (carried
+    over), so the remote copy never depends on a step the remote does not hold."""
+    wanted: dict[int, set[tuple[str, str]]] = {}
+    for rm in rms:
+        for f in rm.files:
+            if f.in_step is not None:
+                wanted.setdefault(f.in_step, set()).add((f.name, f.checksum))
+    out: dict[tuple[int | None, str, str], FileRecord] = {}
+    for s, names in sorted(wanted.items()):
+        try:  # outside the transfer's jobs: a step the remote lacks is an answer, not a failed transfer
+            found = read_manifests(remote, s)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            log.info("step %d, tier %s: referenced step %d not usable there (%s): its files are carried over",
+                     ctx.step, remote.tier, s, exc)
+            continue
+        for rm in found[1]:
+            for f in rm.files:
+                if f.in_step is None and (f.name, f.checksum) in names:
+                    out[(s, f.name, f.checksum)] = f
+    return out
 
 
 def _remote_manifest(remote: Store, folder: str, step: int) -> StepManifest | None:

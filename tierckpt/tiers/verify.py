@@ -14,8 +14,8 @@ from typing import TypeVar
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, StorageError
 from ..format import layout
-from ..format.manifest import RankManifest, StepManifest
-from ..storage.base import Store, join
+from ..format.manifest import RankManifest, StepManifest, file_rel
+from ..storage.base import Store
 from ..storage.commit import read_step_manifest
 from ..storage.failures import with_deadline
 from . import reader
@@ -125,7 +125,7 @@ def verify_step(
                 return exc
             except PermissionError as exc:
                 return StorageAccessError(f"read: access denied ({exc})", tier=store.tier,
-                                          path=f"{store.url}/{join(layout.step_dir(step), rm.files[i].name)}",
+                                          path=f"{store.url}/{file_rel(step, rm.files[i])}",
                                           step=step, transient=False)
             except OSError as exc:  # a missing file, a disk's read error: the file cannot be restored
                 return f"{rm.files[i].name}: unreadable: {exc}"

@@ -30,9 +30,12 @@ from .. import faults
 from ..errors import CheckpointError, StorageError
 from ..format import hashing, layout
 from ..format.manifest import FileRecord, RankManifest, RankRef, StepManifest, TensorRecord
+from ..format.plan import HEADER_METADATA
+from ..format.safetensors import build_header
 from ..host import gcpause as _gc
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for
+from .incremental import Baseline, Incremental, Match, pins, step_refs
 from .tasks import results, submit_all
 
 log = logging.getLogger(__name__)
@@ -140,14 +143,25 @@ class RankSnapshot:
 
 
 def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor,
-               hash_executor: Executor | None = None) -> tuple[RankManifest, bytes, str]:
+               hash_executor: Executor | None = None,
+               incremental: tuple[Incremental, Baseline] | None = None) -> tuple[RankManifest, bytes, str]:
     """Write one rank's data files (in parallel) and then its rank manifest into ``folder``.
 
     With ``hash_executor``, files are hashed there while they are written (a writer thread then only writes, so the
     disk never waits for a hash), and the manifest is built while the last bytes go to disk; without it, each writer
     hashes its chunks on the way. Either way the rank manifest is written only after every data file is durable.
+    ``incremental``: the manager's incremental state and the baseline whose stored bytes the step may reference
+    (:mod:`.incremental`; needs ``hash_executor``).
     """
     names = [layout.data_file_name(snap.rank, f.part, snap.save_id) for f in snap.files]
+    if incremental is not None and hash_executor is not None:
+        done = _write_incremental(store, folder, snap, names, executor, hash_executor, *incremental)
+        with _gc.paused():
+            rank_manifest, raw = _encode_places(snap, names, done)
+        rname = layout.rank_manifest_name(snap.rank, snap.save_id)
+        faults.point("before-manifest")
+        store.write_bytes(join(folder, rname), raw)  # only now: every data file is durable
+        return rank_manifest, raw, rname
     inline = None if hash_executor is not None else snap.leaves
     writes = submit_all(executor, lambda fn: _write_file(store, join(folder, fn[0]), fn[1], inline),
                         list(zip(names, snap.files)))
@@ -193,25 +207,39 @@ def _encode_rank_manifest(snap: RankSnapshot, names: list[str],
 
 
 def persist(store: Store, snap: RankSnapshot, executor: Executor,
-            hash_executor: Executor | None = None) -> PersistResult:
-    """Write, checksum and commit one rank's snapshot as step ``step`` (single-rank steps commit here)."""
+            hash_executor: Executor | None = None, incremental: Incremental | None = None) -> PersistResult:
+    """Write, checksum and commit one rank's snapshot as step ``step`` (single-rank steps commit here).
+    ``incremental``: reference the unchanged tensors' bytes in an earlier committed step (:mod:`.incremental`)."""
     t0 = time.perf_counter()
     step, rank, save_id = snap.step, snap.rank, snap.save_id
     protocol = protocol_for(store)
     folder = layout.tmp_dir(step, save_id)
+    baseline = None if incremental is None else incremental.baseline_for(store, step)
     try:
-        folder = protocol.begin(store, step, save_id)
-        rank_manifest, raw, rname = write_rank(store, folder, snap, executor, hash_executor)
-        manifest = StepManifest(
-            step=step, world_size=snap.world_size, save_id=save_id,
-            ranks=(RankRef(rank, rname, len(raw), hashing.digest(raw).hex()),),
-            total_bytes=rank_manifest.total_bytes, metadata=snap.metadata,
-        )
-        store.write_bytes(join(folder, layout.STEP_MANIFEST), manifest.to_bytes())
-        faults.point("after-manifest")
-        faults.point("before-rename")
-        protocol.commit(store, folder, step)
-        faults.point("after-rename")
+        with pins(store, () if baseline is None else baseline.steps):
+            if baseline is not None and not baseline.still_stored(store):
+                log.info("tier %s: step %d written whole: its baseline step %d is no longer stored", store.tier, step,
+                         baseline.step)
+                baseline = None
+            folder = protocol.begin(store, step, save_id)
+            if incremental is None or baseline is None:
+                rank_manifest, raw, rname = write_rank(store, folder, snap, executor, hash_executor)
+            else:
+                rank_manifest, raw, rname = write_rank(store, folder, snap, executor, hash_executor,
+                                                       incremental=(incremental, baseline))
+            refs, shared = step_refs([rank_manifest])
+            manifest = StepManifest(
+                step=step, world_size=snap.world_size, save_id=save_id,
+                ranks=(RankRef(rank, rname, len(raw), hashing.digest(raw).hex()),),
+                total_bytes=rank_manifest.total_bytes, metadata=snap.metadata, refs=refs, shared_bytes=shared,
+            )
+            store.write_bytes(join(folder, layout.STEP_MANIFEST), manifest.to_bytes())
+            faults.point("after-manifest")
+            faults.point("before-rename")
+            protocol.commit(store, folder, step)
+            faults.point("after-rename")
+        if incremental is not None:
+            incremental.committed(rank_manifest, full=not refs)
     except BaseException as exc:
         try:
             protocol.abort(store, folder, step)
@@ -224,6 +252,119 @@ def persist(store: Store, snap: RankSnapshot, executor: Executor,
                                path=getattr(exc, "filename", None) or f"{store.url}/{folder}") from exc
         raise
     seconds = time.perf_counter() - t0
-    log.info("tier %s: committed step %d (%.1f MiB) at %s/%s in %.3f s", store.tier, step,
-             rank_manifest.total_bytes / 2**20, store.url, layout.step_dir(step), seconds)
+    log.info("tier %s: committed step %d (%.1f MiB, %.1f MiB of them in steps %s) at %s/%s in %.3f s", store.tier,
+             step, rank_manifest.total_bytes / 2**20, shared / 2**20, list(refs), store.url, layout.step_dir(step),
+             seconds)
     return PersistResult(manifest, rank_manifest, seconds)
+
+
+class _Done(NamedTuple):
+    """What became of one staged file in an incremental save."""
+
+    #: the file as written in this step's folder (None: every tensor of it is referenced)
+    record: FileRecord | None
+    #: each leaf's place: (its leaf index, the referenced file or None for this step's own, offset in that file)
+    places: list[tuple[int, FileRecord | None, int]]
+    #: each leaf's checksum (hex), by leaf index
+    sums: dict[int, str]
+    #: whether some of its tensors were (or, written whole, could have been) referenced
+    skippable: bool
+
+
+def _matches(f: StagedFile, leaves: list[LeafMeta], digests: list[bytes], baseline: Baseline) -> list[Match | None]:
+    """For each leaf of ``f`` (file order) where the baseline stores the same bytes, or None."""
+    return [None if leaves[i].shard is not None else
+            baseline.match(leaves[i].name, leaves[i].dtype, leaves[i].shape, leaves[i].nbytes, d.hex())
+            for i, d in zip(f.leaves, digests[1:])]
+
+
+def _write_incremental(store: Store, folder: str, snap: RankSnapshot, names: list[str], executor: Executor,
+                       hash_executor: Executor, inc: Incremental, baseline: Baseline) -> list[_Done]:
+    """Write the files of an incremental save (see :mod:`.incremental`): a file whose last save skipped tensors (or
+    that has no history) is hashed first, and only its changed tensors are written, as a smaller safetensors file
+    of the same name (none when nothing changed); any other file is written whole while it is hashed, as in a full
+    save. Returns each file's outcome, in file order; waits for every write before returning or raising."""
+    leaves = snap.leaves
+
+    def hash_first(k: int) -> _Done:
+        f, rel = snap.files[k], join(folder, names[k])
+        checksum, digests = hash_executor.submit(_hash_file, f, leaves, snap).result()
+        refs = _matches(f, leaves, digests, baseline)
+        sums = {i: d.hex() for i, d in zip(f.leaves, digests[1:])}
+        if not any(r is not None for r in refs):
+            _write_file(store, rel, f, None)
+            rec = FileRecord(name=names[k], size=len(f.data), checksum=checksum, data_start=f.data_start)
+            return _Done(rec, [(i, None, leaves[i].offset) for i in f.leaves], sums, False)
+        changed = [(i, d) for i, d, r in zip(f.leaves, digests[1:], refs) if r is None]
+        places: list[tuple[int, FileRecord | None, int]] = [
+            (i, r.file, r.offset) for i, r in zip(f.leaves, refs) if r is not None]
+        rec = None
+        if changed:
+            header = build_header([(leaves[i].name, leaves[i].dtype, leaves[i].shape, leaves[i].nbytes)
+                                   for i, _d in changed], HEADER_METADATA)
+            pos = len(header)
+            with store.open_write(rel, size_hint=pos + sum(leaves[i].nbytes for i, _d in changed)) as w:
+                w.write(header)
+                for i, _d in changed:
+                    m = leaves[i]
+                    for start in range(m.offset, m.offset + m.nbytes, WRITE_CHUNK):
+                        w.write(f.data[start : min(start + WRITE_CHUNK, m.offset + m.nbytes)])
+                    places.append((i, None, pos))
+                    pos += m.nbytes
+            rec = FileRecord(name=names[k], size=pos, checksum=hashing.file_checksum(
+                [hashing.digest(header), *(d for _i, d in changed)]), data_start=len(header))
+        return _Done(rec, places, sums, True)
+
+    def straight(k: int) -> _Done:
+        f = snap.files[k]
+        checksum, digests = hashed[k].result()
+        refs = _matches(f, leaves, digests, baseline)
+        rec = FileRecord(name=names[k], size=len(f.data), checksum=checksum, data_start=f.data_start)
+        return _Done(rec, [(i, None, leaves[i].offset) for i in f.leaves],
+                     {i: d.hex() for i, d in zip(f.leaves, digests[1:])}, any(r is not None for r in refs))
+
+    with inc.lock:
+        first = [inc.hash_first.get(f.part, True) for f in snap.files]
+    hashed = {k: hash_executor.submit(_hash_file, f, leaves, snap) for k, f in enumerate(snap.files) if not first[k]}
+    jobs = [executor.submit(hash_first, k) if first[k]
+            else executor.submit(_write_file, store, join(folder, names[k]), f, None)
+            for k, f in enumerate(snap.files)]
+    wait([*jobs, *hashed.values()])  # no write may outlive this call: the slot is released after it
+    done = [jobs[k].result() if first[k] else (jobs[k].result(), straight(k))[1] for k in range(len(snap.files))]
+    with inc.lock:
+        for f, d in zip(snap.files, done):
+            inc.hash_first[f.part] = d.skippable
+    return done
+
+
+def _encode_places(snap: RankSnapshot, names: list[str], done: list[_Done]) -> tuple[RankManifest, bytes]:
+    """The rank manifest of an incremental save: this step's own files first (in part order), then each referenced
+    file once, and every tensor at its place in one of them."""
+    files: list[FileRecord] = []
+    index: dict[tuple[int | None, str], int] = {}
+    for d in done:
+        if d.record is not None:
+            index[(None, d.record.name)] = len(files)
+            files.append(d.record)
+    for d in done:
+        for _i, ref, _o in d.places:
+            if ref is not None and (ref.in_step, ref.name) not in index:
+                index[(ref.in_step, ref.name)] = len(files)
+                files.append(ref)
+    where: dict[int, tuple[int, int]] = {}
+    sums: dict[int, str] = {}
+    for d in done:
+        own = None if d.record is None else index[(None, d.record.name)]
+        for i, ref, off in d.places:
+            where[i] = (own if ref is None else index[(ref.in_step, ref.name)], off)  # type: ignore[assignment]
+        sums.update(d.sums)
+    tensors = tuple(
+        TensorRecord(i, m.name, m.path, m.dtype, m.shape, where[i][0], where[i][1], m.nbytes, sums.get(i, ""), m.kind,
+                     m.shard)
+        for i, m in enumerate(snap.leaves)
+    )
+    rank_manifest = RankManifest(
+        step=snap.step, rank=snap.rank, world_size=snap.world_size, save_id=snap.save_id, files=tuple(files),
+        tensors=tensors, tree=snap.tree, metadata=snap.metadata,
+    )
+    return rank_manifest, rank_manifest.to_bytes()

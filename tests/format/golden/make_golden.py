@@ -6,7 +6,8 @@ To add the copies of a new format version, run this file with the tierckpt that 
 
     PYTHONPATH=<that checkout> .venv/bin/python tests/format/golden/make_golden.py tests/format/golden/v<N>
 
-(version 1 was written by commit 1461f09's parent; version 2 by the code that introduced it). The state must not
+(version 1 was written by commit 1461f09's parent; version 2 by the code that introduced it; version 3, an
+incremental step ``STEP`` that references step ``STEP - 1``, by the code that introduced references). The state must not
 change: the test compares what each copy holds with :func:`golden_state`.
 """
 
@@ -45,8 +46,15 @@ def main(out: str) -> None:
     import tierckpt
 
     shutil.rmtree(out, ignore_errors=True)
+    incremental = os.path.basename(os.path.normpath(out)) >= "v3"  # version 3: references to an earlier step
     mgr = tierckpt.CheckpointManager(os.path.join(out, "local"), remote=os.path.join(out, "remote"),
-                                     remote_compression="zstd", log_records=False)
+                                     remote_compression="zstd", log_records=False,
+                                     **({"incremental": True} if incremental else {}))
+    if incremental:  # step STEP - 1 differs in one tensor: step STEP writes that one and references the rest
+        earlier = golden_state()
+        earlier["extra"]["i64"] = torch.zeros(2, 3, dtype=torch.int64)
+        mgr.save(STEP - 1, earlier, metadata=METADATA)
+        mgr.wait()
     mgr.save(STEP, golden_state(), metadata=METADATA)
     mgr.close()
     for name in os.listdir(os.path.join(out, "local")):

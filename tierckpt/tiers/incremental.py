@@ -1,0 +1,180 @@
+"""Incremental steps: a save references the stored bytes of an earlier committed step instead of writing them again.
+
+A tensor is *unchanged* when its name, dtype, shape and size equal those of a tensor of the baseline (the newest
+step this manager committed to the tier, or found there after a restart) and the xxh3-128 digest of its bytes
+equals the baseline's recorded checksum of that tensor. The new step then lists the baseline's file that holds the
+tensor (:attr:`~tierckpt.format.manifest.FileRecord.in_step`: that file's own step, never a chain of references)
+with the tensor's range in it; only the changed tensors go into the step's own files. A step thus lists every byte
+it needs and where, and restore and ``verify`` read and hash those files like the step's own.
+
+Odds that a change goes unnoticed: the digests are 128 bits wide and compared only between tensors of the same
+name, dtype and size, so a changed tensor is taken for unchanged only if its new bytes collide with its old ones:
+about 2^-128 per tensor per save for accidental changes (xxh3 is not a cryptographic hash: bytes crafted to
+collide are not guarded against; checksums here guard against accidents, as everywhere in the format).
+
+Safety of the referenced bytes (see :mod:`.steps`): a step is never deleted while a committed step of the same tier
+references it, nor while a save in this process is about to (:func:`pinned`). A save pins its baseline's steps
+before it checks that they are still committed, and unpins them once its own manifest, which names them, is
+committed or the save failed; a kill in between leaves only the save's temporary folder (a leftover).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+from ..format import layout
+from ..format.manifest import FileRecord, RankManifest, StepManifest, file_rel, shared_steps
+from ..storage.base import Store
+from ..storage.commit import read_step_manifest
+
+log = logging.getLogger(__name__)
+
+#: Guards the pins below and every deletion's check of them (:func:`.steps.delete_step`): a pin taken before a
+#: deletion's check holds the step; a deletion that checked first has removed the step before the pin's check.
+LOCK = threading.RLock()
+_PINS: Counter[tuple[str, int]] = Counter()
+
+
+def pinned(store: Store, step: int) -> bool:
+    """Whether a save in this process is about to reference ``step`` of ``store`` (call under :data:`LOCK`)."""
+    return _PINS[(store.url, step)] > 0
+
+
+@contextmanager
+def pins(store: Store, steps: tuple[int, ...]) -> Iterator[None]:
+    """Hold ``steps`` of ``store`` against deletion while the block runs."""
+    with LOCK:
+        for s in steps:
+            _PINS[(store.url, s)] += 1
+    try:
+        yield
+    finally:
+        with LOCK:
+            for s in steps:
+                _PINS[(store.url, s)] -= 1
+                if _PINS[(store.url, s)] <= 0:
+                    del _PINS[(store.url, s)]
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where an unchanged tensor's bytes are stored: a file record (``in_step`` set) and the range in it."""
+
+    file: FileRecord
+    offset: int
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The committed step a save may reference: ``step``, and by tensor name its record and where its bytes are."""
+
+    step: int
+    tensors: dict[str, tuple[str, tuple[int, ...], int, str, Match]]
+    #: every step whose folder holds one of the baseline's files (the baseline's own step included)
+    steps: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rm: RankManifest) -> Baseline:
+        """The baseline a committed rank manifest ``rm`` offers: each of its files as a record naming its folder."""
+        from .stream import segment_ends
+
+        files = [f if f.in_step is not None else replace(f, in_step=rm.step, cuts=tuple(segment_ends(rm, k)[1:]))
+                 for k, f in enumerate(rm.files)]
+        tensors = {t.name: (t.dtype, t.shape, t.nbytes, t.checksum, Match(files[t.file], t.offset))
+                   for t in rm.tensors if t.checksum and t.shard is None and t.nbytes}
+        return cls(rm.step, tensors, shared_steps(files))
+
+    def match(self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, checksum: str) -> Match | None:
+        """Where the baseline stores these exact bytes, or None."""
+        hit = self.tensors.get(name)
+        if hit is None or hit[:4] != (dtype, shape, nbytes, checksum):
+            return None
+        return hit[4]
+
+    def still_stored(self, store: Store) -> bool:
+        """Whether every step and file the baseline's bytes live in is still committed on ``store`` with its size
+        (call with :func:`pins` held on :attr:`steps`). A re-saved or deleted step makes this False."""
+        try:
+            for s in self.steps:
+                if read_step_manifest(store, layout.step_dir(s), s) is None:
+                    return False
+            seen = set()
+            for _d, _s, _n, _c, m in self.tensors.values():
+                if m.file.name in seen:
+                    continue
+                seen.add(m.file.name)
+                size = store.size(file_rel(self.step, m.file))
+                if size != (m.file.stored_size if m.file.compression else m.file.size):
+                    return False
+        except Exception as exc:  # damaged or unreadable: write this save in full
+            log.info("tier %s: baseline step %d not usable for an incremental save: %s", store.tier, self.step, exc)
+            return False
+        return True
+
+
+@dataclass
+class Incremental:
+    """A manager's incremental-save state for one tier: the baseline and when to write a full step.
+
+    ``full_every``: every that many saves, a step is written whole (no references), so that older steps stop being
+    held; None: never. ``hash_first``: per data file (by part) whether its tensors are hashed before the file is
+    written (to skip the unchanged ones) or, where the last save found nothing to skip in it, written while they are
+    hashed, as in a full save, so that a state where everything changes pays nothing for the detection.
+    """
+
+    full_every: int | None = None
+    baseline: Baseline | None = None
+    since_full: int = 0
+    hash_first: dict[int, bool] = field(default_factory=dict)
+    looked: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def baseline_for(self, store: Store, step: int) -> Baseline | None:
+        """The baseline a save of ``step`` may reference (None: write it whole). After a restart, the newest
+        committed step of the tier below ``step`` (single-rank) is read once."""
+        with self.lock:
+            if self.full_every is not None and self.since_full + 1 >= self.full_every:
+                return None
+            if self.baseline is None and not self.looked:
+                self.looked = True
+                self.baseline = _newest(store, step)
+            b = self.baseline
+        return b if b is not None and b.step < step else None
+
+    def committed(self, rm: RankManifest, full: bool) -> None:
+        """Step ``rm.step`` committed (``full``: with no references): it is the next save's baseline."""
+        with self.lock:
+            self.baseline = Baseline.of(rm)
+            self.since_full = 0 if full else self.since_full + 1
+
+
+def _newest(store: Store, below: int) -> Baseline | None:
+    from .reader import read_manifests  # reader imports this module's users
+
+    try:
+        steps = sorted((s for s in (layout.parse_step_dir(n) for n in store.list("")) if s is not None and s < below),
+                       reverse=True)
+        for s in steps[:1]:
+            manifest, rms = read_manifests(store, s)
+            if manifest.world_size == 1 and len(rms) == 1:
+                return Baseline.of(rms[0])
+    except Exception as exc:  # nothing to reference: the first save is written whole
+        log.info("tier %s: no baseline for incremental saves found: %s", store.tier, exc)
+    return None
+
+
+def step_refs(rms: list[RankManifest]) -> tuple[tuple[int, ...], int]:
+    """The steps ``rms`` reference and the bytes they hold of them (a step manifest's ``refs``, ``shared_bytes``)."""
+    steps = sorted({s for rm in rms for s in shared_steps(rm.files)})
+    return tuple(steps), sum(rm.shared_bytes for rm in rms)
+
+
+def with_refs(manifest: StepManifest, rms: list[RankManifest]) -> StepManifest:
+    """``manifest`` with its ``refs`` and ``shared_bytes`` recomputed from its rank manifests ``rms``."""
+    refs, shared = step_refs(rms)
+    return replace(manifest, refs=refs, shared_bytes=shared)
