@@ -1,4 +1,4 @@
-"""The benchmark's raw read timed next to every cold load (benchmarks/bench.cold) and its summary (bench.derive).
+"""The benchmark's raw read timed next to every cold load (benchmarks/_suite.cold) and its summary (bench.derive).
 
 The benchmark scripts are not a package; these tests put benchmarks/ on the path the way its scripts do.
 """
@@ -14,6 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 bench = pytest.importorskip("bench")
+suite = pytest.importorskip("_suite")
+limits = pytest.importorskip("limits")
 
 
 class _Ref:
@@ -32,7 +34,7 @@ class _Ref:
 def _ctx(tmp_path: Path) -> object:
     state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10, dtype=torch.bfloat16)}
     dst = {k: torch.empty_like(v) for k, v in state.items()}
-    return bench.Ctx(state=state, dst=dst, scratch=tmp_path)
+    return suite.Ctx(state=state, dst=dst, scratch=tmp_path)
 
 
 def test_reference_read_alternates_around_the_load_and_never_under_its_check(tmp_path: Path) -> None:
@@ -42,7 +44,7 @@ def test_reference_read_alternates_around_the_load_and_never_under_its_check(tmp
     seen: list[bool] = []
     for _ in range(4):
         out: dict[str, object] = {}
-        with bench.cold(ctx, out, "load_cold"):
+        with suite.cold(ctx, out, "load_cold"):
             log.append("load")
             assert all(int(t.count_nonzero()) == 0 for t in ctx.dst_list)  # cleared after a reference read
             for s, d in zip(ctx.src_list, ctx.dst_list, strict=True):
@@ -70,7 +72,7 @@ def test_a_warm_load_follows_its_cold_load_before_any_reference_read(tmp_path: P
     for _ in range(2):
         out: dict[str, object] = {}
         ctx.loads = True  # type: ignore[attr-defined]
-        bench._loads(ctx, out, load)
+        suite.timed_loads(ctx, out, load)
         assert "load_cold" in out and "load_warm" in out and out["load_ok"] is True
     assert log == ["ref", "load", "load", "load", "load", "ref"]
 
@@ -78,14 +80,14 @@ def test_a_warm_load_follows_its_cold_load_before_any_reference_read(tmp_path: P
 def test_without_reference_files_nothing_is_paired(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
     out: dict[str, object] = {}
-    with bench.cold(ctx, out, "load_cold"):
+    with suite.cold(ctx, out, "load_cold"):
         out["load_cold"] = 1.0
     assert "load_cold_ref" not in out and "load_cold_vs_ref" not in out
 
 
 def test_reference_files_read_back_the_state(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
-    ref = bench.RefFiles.create(ctx)
+    ref = suite.RefFiles.create(ctx)
     try:
         assert sum(p.stat().st_size for p in ref.paths) == sum(t.nbytes for t in ctx.src_list)
         want = [bytes(b) for b in ref.aligned] if ref.aligned is not None else None
@@ -126,14 +128,14 @@ def test_derive_reports_the_paired_ratios_and_the_adjacent_read(tmp_path: Path) 
 def test_restore_pairs_are_pooled_over_repeats_and_summarized() -> None:
     runs = [{"load_cold_inplace_pairs": [(1.0, 1.0), (2.2, 2.0)]}, {"load_cold_inplace_pairs": [(0.9, 1.0)]},
             {"load_cold_inplace_pairs": [(1.5, 1.0), (3.0, 2.0)]}]  # fmt: skip
-    med = bench.summarize(runs)
+    med = suite.summarize(runs)
     assert med["load_cold_inplace_pairs"] == [(1.0, 1.0), (2.2, 2.0), (0.9, 1.0), (1.5, 1.0), (3.0, 2.0)]
-    p = bench.paired_ratios(med["load_cold_inplace_pairs"])
+    p = suite.paired_ratios(med["load_cold_inplace_pairs"])
     assert p is not None
     assert p["n"] == 5 and p["min"] == 0.9 and p["max"] == 1.5
     assert p["median"] == pytest.approx(1.1)  # ratios 0.9, 1.0, 1.1, 1.5, 1.5
     assert (p["q1"], p["q3"]) == (pytest.approx(1.0), pytest.approx(1.5))
-    assert bench.paired_ratios([(1.0, None)]) is None and bench.paired_ratios(None) is None
+    assert suite.paired_ratios([(1.0, None)]) is None and suite.paired_ratios(None) is None
     d = bench.derive({"raw": {"read_cold_nf": 1.0},
                       "tierckpt": {"load_cold_inplace": 1.3, "load_cold_inplace_vs_ref": 1.3, **med}},
                      1 << 30)  # fmt: skip
@@ -143,7 +145,7 @@ def test_restore_pairs_are_pooled_over_repeats_and_summarized() -> None:
 
 def test_derive_pools_the_saves_next_to_their_write_limit() -> None:
     med = {"raw": {"write_nf_direct": 1.0},
-           "tierckpt": bench.summarize([{"durable": 1.3, "durable_pairs": [(1.3, 1.0), (1.2, 1.2)]},
+           "tierckpt": suite.summarize([{"durable": 1.3, "durable_pairs": [(1.3, 1.0), (1.2, 1.2)]},
                                         {"durable": 1.1, "durable_pairs": [(1.1, 1.1)]}]),
            "tierckpt copy-first": {"durable": 1.2}}  # fmt: skip
     d = bench.derive(med, 1 << 30)
@@ -160,7 +162,7 @@ def test_memcpy_limit_times_copy_and_the_streaming_copy_into_the_targets(tmp_pat
 
     ctx = _ctx(tmp_path)
     ctx.repeat = repeat  # type: ignore[attr-defined]
-    out = bench.case_memcpy(ctx)
+    out = limits.case_memcpy(ctx)
     assert out["time"] > 0
     assert ("time_stream" in out) is hostcopy.available
     for k, v in ctx.state.items():  # type: ignore[attr-defined]
@@ -184,7 +186,7 @@ def test_suites_run_interleaved_with_rotating_order(tmp_path: Path) -> None:
         return run
 
     suites = [(f"[{s}] ", _ctx(tmp_path), {n: case(s, n) for n in ("x", "y")}) for s in ("A", "B")]
-    out = bench.run_suites(suites, 2)
+    out = suite.run_suites(suites, 2)
     assert calls == [("A", "x", 0), ("A", "y", 0), ("B", "x", 0), ("B", "y", 0),
                      ("B", "y", 1), ("B", "x", 1), ("A", "y", 1), ("A", "x", 1)]  # fmt: skip
     # each suite's medians come from its own runs only (A's x ran 1st and 8th: median 4.5)
