@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.timeout(240)]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its scripts import harness.py there
 
 import _request_counts_rank as rank_script  # noqa: E402
+import _request_counts_report as report  # noqa: E402
+import _request_counts_server as counting  # noqa: E402
 import request_counts as bench  # noqa: E402
 
 STEPS = 2
@@ -32,7 +34,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Any]:
-    with bench.counting_s3_server("bench-requests-test", trace=True) as s3:
+    with counting.counting_s3_server("bench-requests-test", trace=True) as s3:
         yield s3
 
 
@@ -58,7 +60,7 @@ def n(summary: dict[str, Any], label: str) -> int:
 
 
 def test_classify_names_the_operations() -> None:
-    c = bench.classify
+    c = counting.classify
     assert c("GET", "/b", "list-type=2&prefix=run%2F&delimiter=%2F", {}) == "list"
     assert c("GET", "/b", "uploads", {}) == "list-uploads"
     assert c("GET", "/b/run/step-0000000003/manifest.json", "", {}) == "step-manifest"
@@ -198,7 +200,7 @@ def test_a_rank_that_restores_the_wrong_step_fails_the_launch(server: Any, tmp_p
 
 
 def test_growth_fit_recovers_known_laws() -> None:
-    fit = bench.fit_growth
+    fit = report.fit_growth
     const = fit({1: 5, 2: 5, 4: 5, 8: 5})
     assert const["exponent"] == pytest.approx(0.0) and const["model"] == "a + b*W"
     assert const["linear"]["8192"] == pytest.approx(5.0)
@@ -220,17 +222,17 @@ def test_growth_fit_recovers_known_laws() -> None:
 
 
 def test_prefixes_are_the_step_folder_or_the_listing() -> None:
-    assert bench.key_prefix("run/step-0000000003/r00001-p0000-0a1b2c3d.safetensors") == "run/step-0000000003/"
-    assert bench.key_prefix("run/step-0000000003") == "run/step-0000000003/"  # the folder's own name
-    assert bench.key_prefix("a/b/step-0000000012/manifest.json") == "a/b/step-0000000012/"
-    assert bench.key_prefix("run/other.json") == "run/"
-    assert bench.key_prefix("top.json") == ""
-    assert bench.list_prefix("run/") == bench.list_prefix("run") == "run/"
+    assert counting.key_prefix("run/step-0000000003/r00001-p0000-0a1b2c3d.safetensors") == "run/step-0000000003/"
+    assert counting.key_prefix("run/step-0000000003") == "run/step-0000000003/"  # the folder's own name
+    assert counting.key_prefix("a/b/step-0000000012/manifest.json") == "a/b/step-0000000012/"
+    assert counting.key_prefix("run/other.json") == "run/"
+    assert counting.key_prefix("top.json") == ""
+    assert counting.list_prefix("run/") == counting.list_prefix("run") == "run/"
     step = "run/step-0000000003/"
-    assert bench.list_prefix(step) == bench.list_prefix(step.rstrip("/")) == step
-    assert bench.list_prefix("") == ""
-    assert bench.root_prefix("s3://bucket/w00008-abc") == "w00008-abc/"
-    assert bench.in_step_folder("run/step-0000000003/") and not bench.in_step_folder("run/")
+    assert counting.list_prefix(step) == counting.list_prefix(step.rstrip("/")) == step
+    assert counting.list_prefix("") == ""
+    assert counting.root_prefix("s3://bucket/w00008-abc") == "w00008-abc/"
+    assert counting.in_step_folder("run/step-0000000003/") and not counting.in_step_folder("run/")
 
 
 def test_the_server_counts_each_key_and_prefix(server: Any) -> None:
@@ -393,7 +395,7 @@ def test_the_busiest_key_costs_the_same_per_save_whatever_w(runs: dict[int, Any]
     for world in (2, 8):
         save = runs[world]["save"]
         assert save["busiest_key"]["kind"] == "step-manifest", save["busiest_key"]
-        assert bench.in_step_folder(save["busiest_prefix"]["name"]), save["busiest_prefix"]
+        assert counting.in_step_folder(save["busiest_prefix"]["name"]), save["busiest_prefix"]
         assert 2 * world <= save["busiest_prefix_requests"] <= 2 * world + 8, save["busiest_prefix"]
         assert save["busiest_prefix"]["writes"] >= 2 * world
         assert save["window_s"] > 0
@@ -423,11 +425,11 @@ def test_busiest_prefix_at_scale_spreads_the_fitted_requests_over_the_measured_w
     the largest W measured."""
     summary = {w: {"save": {"busiest_prefix_requests": 3 + 4 * w, "busiest_prefix_reads": 1 + w,
                             "busiest_prefix_writes": 2 + 3 * w, "window_s": 0.5 * w}} for w in (2, 4, 8)}
-    rows = bench.busiest_prefix_at_scale(summary)
+    rows = report.busiest_prefix_at_scale(summary)
     assert [(r["phase"], r["world"], r["at_w"], r["window_s"]) for r in rows] == [("save", 1024, 8, 4.0),
                                                                                    ("save", 8192, 8, 4.0)]
     assert rows[0]["requests"] == pytest.approx(3 + 4 * 1024)
     assert rows[1]["writes_per_s"] == pytest.approx((2 + 3 * 8192) / 4.0)
     assert rows[0]["reads_per_s"] == pytest.approx((1 + 1024) / 4.0)
-    text = "\n".join(bench.render_scale(rows))
+    text = "\n".join(report.render_scale(rows))
     assert "3,500 writes" in text and "4099" in text
