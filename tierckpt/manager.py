@@ -64,6 +64,7 @@ from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
 from .tiers import identity, uploader
+from .tiers import memory as _memory
 from .tiers.verify import list_root
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class CheckpointManager:
         remote_direct_io: bool | None = Options.remote_direct_io,
         overlap_writes: bool | None = Options.overlap_writes,
         huge_pages: bool | None = Options.huge_pages,
+        memory_tier: bool = Options.memory_tier,
         incremental: bool = Options.incremental,
         full_every: int | None = Options.full_every,
         collective_timeout_s: float = Options.collective_timeout_s,
@@ -188,7 +190,9 @@ class CheckpointManager:
         self._hash = ThreadPoolExecutor(self.options.writer_threads, thread_name_prefix="tierckpt-hash")
         self._engine = Engine(local=self.local, remote=self.remote, rank=self.rank, world_size=self.world_size,
                               options=self.options, io=self._io, hash=self._hash, huge=self._huge, coord=self._coord,
-                              pool=staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge))
+                              pool=staging.StagingPool(slots=self.options.staging_buffers, pin=pin, huge=self._huge,
+                                                       memory=_memory.open_tier(self.local.root, self.rank)
+                                                       if self.options.memory_tier else None))
         self._engine.identity = run
         self._log = SaveLog(hooks, log_to=self.local.root if self.options.log_records else None)
         self._errors = BackgroundErrors()

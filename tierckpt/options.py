@@ -39,6 +39,10 @@ class LocalTierOptions:
     #: large host buffers on transparent huge pages (None: where the kernel offers them). False on VMs where fresh
     #: huge pages are slow (a balloon reporting free memory to the host)
     huge_pages: bool | None = None
+    #: keep each staging slot in shared memory (``/dev/shm``) that outlives a crashed process, with the newest
+    #: locally committed step it holds: a restart on the same node restores from memory, verified, before the
+    #: local disk (docs/memory-tier.md). Freed by ``close()``
+    memory_tier: bool = False
     #: a save writes (and uploads) only the tensors whose bytes differ from those of the newest step committed in
     #: that tier, and references that step's stored bytes for the rest (single-rank jobs; docs/format.md,
     #: "Incremental steps")
@@ -183,7 +187,7 @@ class Options(Heuristics, DistributedOptions, RemoteTierOptions, LocalTierOption
         if self.remote_compression not in (None, "zstd"):
             raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
         for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io",
-                     "create_bucket", "continue_remote_run", "incremental"):
+                     "create_bucket", "continue_remote_run", "incremental", "memory_tier"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("pin_memory", "overlap_writes", "remote_direct_io", "huge_pages"):

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import StorageError
 from ..format import layout
+from ..tiers.memory import job_dir, steps_in_memory
 from ._common import (
     EXIT_BAD,
     EXIT_OK,
@@ -84,6 +85,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return f"{i.shared_bytes / 2**20:.1f} MiB in {steps}"
 
     code = EXIT_OK if remote_error is None else EXIT_UNAVAILABLE
+    # the memory tier's copies on this node (a job with memory_tier=True that crashed, or is running)
+    in_memory = {} if store.local_path is None else steps_in_memory(store.local_path)
     if args.json:
         doc: dict[str, Any] = {
             "ok": remote_error is None, "root": store.url, "remote": remote.url if remote else None,
@@ -94,6 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                        "own_bytes": None if i.bytes is None or i.shared_bytes is None else i.bytes - i.shared_bytes,
                        "shared_bytes": i.shared_bytes, "refs": list(i.refs)} for i in infos],
             "incomplete": listing.incomplete,
+            "memory": {str(s): r for s, r in sorted(in_memory.items()) if only is None or s == only},
         }
         if remote is not None and remote_error is not None:
             doc["remote_error"] = clean(args, f"{remote.url}: {remote_error.detail}")
@@ -110,6 +114,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{i.step:>12}  {state(i):<13} {size:>10} {own:>10}  {shared(i):<22} {created:<19}  {ranks(i)}")
     for name in listing.incomplete:
         print(f"{'-':>12}  {'incomplete':<12} {'':>10}  {name} (leftover of an unfinished save)")
+    for s, held in sorted(in_memory.items()):
+        if only is None or s == only:
+            print(f"{s:>12}  {'memory':<13} ranks {held} on this node (memory tier: {job_dir(store.local_path or '')})")
     return code
 
 

@@ -49,6 +49,7 @@ from ..storage.base import Store
 from ..storage.readahead import ReadAhead
 from ..tiers.backing import prove_backed
 from ..tiers.listing import TierListings, first_intact
+from ..tiers.memory import MemoryStore, try_memory
 from ..tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
 from ..tiers.stream import ends_early_error
 from ..tiers.tasks import run_all
@@ -112,6 +113,17 @@ def load_copy(eng: Readers, store: Store, step: int, keys: Sequence[str] | None)
     """This rank's saved tree of ``step`` in ``store`` (rank 0's where the saving job had fewer ranks, as restore
     does) as plain values, and its metadata. Raises :class:`CorruptCheckpointError` or
     :class:`CheckpointNotFoundError` for this copy, :class:`StateMismatchError` for a key it does not hold."""
+    pool = getattr(eng, "pool", None)
+    if pool is not None and pool.memory is not None and store is getattr(eng, "local", None):
+        def from_memory(mem: MemoryStore, _disk: Any) -> tuple[dict, Any]:  # this rank's memory copy first
+            try:
+                return load_copy(eng, mem, step, keys)
+            finally:
+                mem.close()  # the values are fresh tensors: nothing refers to the mapping
+
+        found = try_memory(pool.memory, store, step, None, from_memory, eng.rank, pool.hold)
+        if found is not None:
+            return found  # type: ignore[return-value]
     manifest = read_step(store, step)
     src = eng.rank if eng.rank < manifest.world_size else 0
     rms = read_ranks(store, manifest, [src])

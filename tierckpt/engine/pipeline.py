@@ -225,8 +225,8 @@ class SavePipeline:
                                        progress.wait_released)
             if eng.coord is None:
                 writer.persist(eng.local, snap, eng.io, eng.hash, eng.incremental)
-            else:
-                _sharded.persist(eng, snap, release=release)
+            else:  # with a memory tier the slot stays held until the step is committed: it becomes the memory copy
+                _sharded.persist(eng, snap, release=release if not slot.shared else lambda: None)
         except BaseException as exc:
             release()
             if progress.failed is not None:  # save() raised it (eager) or _lazy_snapshot reported it (lazy)
@@ -239,6 +239,9 @@ class SavePipeline:
                 handle.uploaded.set_exception(exc)
             self._failed(handle)
             return
+        memory = eng.pool.memory
+        if memory is not None and slot.shared and slot.buffer is not None:  # committed locally: commit the memory copy
+            memory.commit_slot(eng.local, slot.index, slot.buffer.data_ptr(), step, [f.data for f in files])
         release()
         handle._record.persist_s = handle.elapsed()
         handle.persisted.set_result(handle._record.persist_s)

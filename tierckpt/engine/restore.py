@@ -29,6 +29,7 @@ from collections.abc import Callable, MutableMapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
@@ -44,6 +45,7 @@ from ..storage.base import Store, join
 from ..storage.commit import protocol_for
 from ..tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from ..tiers.listing import TierListings, first_intact
+from ..tiers.memory import MemoryStore, try_memory
 from ..tiers.reader import PendingLoad, buffer_layout, fetch_file, read_ranks, read_step, start_load
 from ..tiers.undo import UndoLog
 
@@ -133,6 +135,12 @@ def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any
     their old bytes back if the restore fails or is released unapplied. ``given``: the step's ``manifest.json`` in
     ``store`` as another rank read it, cut down to the rank manifest this rank reads (``manifest.json`` is not
     read again, except where this rank needs other ranks' shards)."""
+    memory = eng.pool.memory
+    if memory is not None and store is eng.local:  # this rank's memory copy of the chosen step first, if intact
+        found = try_memory(memory, store, step, given, lambda mem, disk: prepare(
+            eng, mem, step, state, strict, disk, in_place=in_place), eng.rank, eng.pool.hold)
+        if isinstance(found, Prepared):
+            return found
     manifest = given if given is not None else read_step(store, step)
     # Resharding: a job of another size reads the per-rank (non-distributed) values of the same rank, or rank 0's
     # for ranks the saving job did not have; distributed tensors are assembled from whichever shards overlap.
@@ -158,6 +166,11 @@ def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any
     undo: UndoLog | None = None
 
     def alloc(n: int) -> memoryview:
+        mapped = store.staging_buffer(n) if isinstance(store, MemoryStore) else None
+        if mapped is not None:  # the memory tier: its bytes are verified where they lie, then copied into the state
+            holder["buffer"] = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
+            holder["release"] = store.close
+            return mapped
         if sparse[0] and not eng.pool.ready(n):
             # only the small rest of the files lands here: a private buffer on small pages, of which only those
             # pages are touched, rather than a fresh state-sized staging slot (see SPARSE_MAX_SHARE)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from ..errors import CheckpointError
 from ..format.plan import SnapshotPlan
 from ..host.libc import libc_function
 from ..host.memory import anonymous_buffer
+
+if TYPE_CHECKING:
+    from ..tiers.memory import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,10 @@ class Slot:
     # faults in the pages of a fresh buffer while a restore reads into it (acquire(populate=True)); stopped and
     # joined by release() and close(), before the slot can change hands or its buffer go
     _populator: Populator | None = None
+    #: the buffer is this slot's file of the memory tier (:mod:`tierckpt.tiers.memory`), not private memory
+    shared: bool = False
+    #: the address registered with CUDA (``cudaHostRegister``) for a pinned shared buffer, to unregister
+    _registered: int = 0
 
     @property
     def populating(self) -> bool:
@@ -165,8 +173,11 @@ class Slot:
 class StagingPool:
     """``slots`` reusable buffers; :meth:`acquire` blocks while all are in use (back-pressure)."""
 
-    def __init__(self, *, slots: int, pin: bool, huge: bool = False) -> None:
+    def __init__(self, *, slots: int, pin: bool, huge: bool = False, memory: MemoryTier | None = None) -> None:
         self.pin = pin
+        #: the memory tier whose files back the slots (None: private memory). Its copy of a slot is invalidated
+        #: whenever the slot is handed out (:meth:`acquire`), before anything may write it
+        self.memory = memory
         #: pageable buffers go on transparent huge pages (:func:`aligned_empty`); they are kept and reused, which is
         #: what a huge page's larger first-touch cost on some VMs needs (:mod:`tierckpt.host.memory`)
         self.huge = huge
@@ -184,13 +195,14 @@ class StagingPool:
         disk: without it each reader traps into the kernel once per 4 KiB page as its bytes land in fresh memory
         (2 GiB, cold, 4 restores each: 2.1 s into a fresh buffer, 1.3 s into one faulted in before). What the
         populator wins back varies: docs/design.md, ``tierckpt-populate``."""
-        slot, allocated = self._acquire(nbytes, timeout)
+        slot, allocated = self._acquire(nbytes, timeout, invalidate=True)
         if populate and allocated and slot.buffer is not None and not self.pin:
             slot._populator = Populator(slot.buffer)
         return slot
 
-    def _acquire(self, nbytes: int, timeout: float | None) -> tuple[Slot, bool]:
-        """:meth:`acquire`, and whether the slot's buffer was allocated by this call."""
+    def _acquire(self, nbytes: int, timeout: float | None, *, invalidate: bool) -> tuple[Slot, bool]:
+        """:meth:`acquire`, and whether the slot's buffer was allocated by this call. ``invalidate``: the caller
+        may write the slot, so its memory-tier copy goes first (allocating it does that anyway)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._free:
@@ -201,6 +213,12 @@ class StagingPool:
             # prefer a slot that is already big enough
             self._free.sort(key=lambda s: (s.capacity < nbytes, s.capacity))
             slot = self._free.pop(0)
+        if invalidate and self.memory is not None:
+            try:
+                self.memory.invalidate(slot.index)
+            except BaseException:
+                self.release(slot)
+                raise
         if slot.capacity < nbytes:
             try:
                 self._allocate(slot, nbytes)
@@ -227,6 +245,24 @@ class StagingPool:
         with self._cond:
             return any(s.capacity >= nbytes for s in self._free)
 
+    def hold(self, index: int) -> Callable[[], None] | None:
+        """Take slot ``index`` as it is, without waiting and without invalidating its memory copy (a restore reads
+        that copy meanwhile, and no save may write the slot until it is done); returns the callable that gives it
+        back (idempotent), or None if the slot is in use (a save is overwriting it)."""
+        with self._cond:
+            slot = next((s for s in self._free if s.index == index), None)
+            if slot is None:
+                return None
+            self._free.remove(slot)
+        given: list[bool] = []
+
+        def give_back() -> None:
+            if not given:
+                given.append(True)
+                self.release(slot)
+
+        return give_back
+
     def release(self, slot: Slot) -> None:
         populator, slot._populator = slot._populator, None
         if populator is not None:
@@ -238,17 +274,45 @@ class StagingPool:
 
     def _allocate(self, slot: Slot, nbytes: int) -> None:
         size = -(-nbytes // GROWTH_QUANTUM) * GROWTH_QUANTUM if nbytes > GROWTH_QUANTUM else nbytes
+        _unregister(slot)
         slot.buffer = None  # drop the old one first: peak memory is the new size, not old + new
         slot._views_for, slot._views, slot._headers_for = None, [], None
+        slot.shared = False
         t0 = time.perf_counter()
+        if self.memory is not None:
+            slot.buffer = self._shared_buffer(slot, size)
         try:
-            slot.buffer = aligned_empty(size, pin=self.pin, huge=self.huge)
+            if slot.buffer is None:
+                slot.buffer = aligned_empty(size, pin=self.pin, huge=self.huge)
         except (RuntimeError, OSError) as exc:  # torch's allocator / mmap (huge pages)
             raise CheckpointError(f"cannot allocate a {size}-byte staging buffer: {exc}") from exc
         self.allocations += 1
+        kind = "pinned" if self.pin else "pageable, huge pages" if self.huge else "pageable"
         log.info("staging: allocated %.1f MiB (%s) for slot %d in %.3f s", size / 2**20,
-                 "pinned" if self.pin else "pageable, huge pages" if self.huge else "pageable", slot.index,
+                 f"memory tier, {'pinned' if slot._registered else 'pageable'}" if slot.shared else kind, slot.index,
                  time.perf_counter() - t0)
+
+    def _shared_buffer(self, slot: Slot, size: int) -> torch.Tensor | None:
+        """Slot ``slot``'s buffer as its memory-tier file (pinned by registering it with CUDA where the pool pins),
+        or None (logged) where that memory cannot be had: the slot then uses private memory, without a memory
+        copy."""
+        assert self.memory is not None
+        try:
+            view = self.memory.map_slot(slot.index, size)
+        except OSError as exc:
+            log.warning("tier memory: cannot reserve %.1f MiB for slot %d in %s (%s): the slot uses private memory "
+                        "and keeps no memory copy", size / 2**20, slot.index, self.memory.dir, exc)
+            return None
+        buffer = torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
+        if self.pin and size:
+            err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)
+            if int(err) != 0:
+                log.warning("tier memory: cudaHostRegister of slot %d failed (%s): its buffer stays pageable",
+                            slot.index, err)
+            else:
+                slot._registered = buffer.data_ptr()
+        slot.shared = True
+        return buffer
 
     def reserve(self, nbytes: int) -> Future[float]:
         """Make a slot of at least ``nbytes`` ready on a ``tierckpt-reserve`` thread: allocate it if needed and
@@ -263,7 +327,7 @@ class StagingPool:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                slot, allocated = self._acquire(nbytes, None)
+                slot, allocated = self._acquire(nbytes, None, invalidate=False)  # faulting in changes no byte
                 try:
                     if allocated and slot.buffer is not None:
                         fault_in(slot.buffer, pinned=self.pin)
@@ -286,16 +350,30 @@ class StagingPool:
             return self._copy_executor
 
     def close(self) -> None:
+        """Drop every buffer; a memory tier is closed and its files removed (a job that closes its manager has
+        finished: only a crash leaves the memory copy for the next process)."""
         for s in self._slots:
             populator, s._populator = s._populator, None
             if populator is not None:
                 populator.stop()
         with self._cond:
             for s in self._slots:
+                _unregister(s)
                 s.buffer, s._views_for, s._views, s._headers_for = None, None, [], None
+                s.shared = False
             executor, self._copy_executor = self._copy_executor, None
+            memory, self.memory = self.memory, None
         if executor is not None:
             executor.shutdown(wait=True)
+        if memory is not None:
+            memory.close(remove=True)
+
+
+def _unregister(slot: Slot) -> None:
+    """Undo the ``cudaHostRegister`` of a pinned shared buffer (before the buffer goes)."""
+    if slot._registered:
+        addr, slot._registered = slot._registered, 0
+        torch.cuda.cudart().cudaHostUnregister(addr)
 
 
 def fault_in(buffer: torch.Tensor, *, pinned: bool) -> None:
