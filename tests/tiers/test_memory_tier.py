@@ -215,3 +215,36 @@ def test_no_shared_memory_means_no_memory_tier(tmp_path: Path, monkeypatch: pyte
 def test_memory_tier_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="memory_tier must be a bool"):
         CheckpointManager(tmp_path / "ckpt", memory_tier="yes")  # type: ignore[arg-type]
+
+
+def test_two_ranks_on_a_node_restore_each_from_its_own_memory_copy(tmp_path: Path, shm: Path) -> None:
+    """Each rank has its own slot file; the step is agreed as always (from the local tier), then each rank reads
+    its shard from memory. Rank 1's copy is corrupted: rank 1 alone reads the disk, and the job still agrees."""
+    from tests._support.ranks import assert_all_ok, rank_env, run_ranks
+
+    worker = str(Path(__file__).with_name("_memory_ranks.py"))
+    env = rank_env({memory.ROOT_ENV: str(shm)})
+
+    def job(mode: str) -> None:
+        store = f"file://{tmp_path}/store-{mode}"
+        ranks = run_ranks(lambda r: [worker, mode, str(r), str(tmp_path), store], 2, tmp_path, mode, env=env,
+                          timeout=90)
+        if mode == "restore":
+            assert_all_ok(ranks, mode, 90)
+        else:
+            assert ranks.returncodes == [-signal.SIGKILL] * 2, ranks.detail()
+
+    job("save")
+    assert memory.steps_in_memory(str(tmp_path / "node")) == {2: [0, 1]}
+    (copy,) = memory.job_copies(str(tmp_path / "node"))[1].values()
+    at = copy.files[0].offset + copy.files[0].size - 1  # the last byte of rank 1's first data file
+    with open(copy.path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 1]))
+    job("restore")
+    found = [json.loads((tmp_path / f"result-restore-r{r}.json").read_text()) for r in (0, 1)]
+    assert [f["step"] for f in found] == [2, 2] and all(f["equal"] for f in found)
+    assert found[0]["from_memory"] == [2] and found[1]["from_memory"] == []
+    assert not os.path.exists(memory.job_dir(str(tmp_path / "node")))  # close() on both ranks freed it
