@@ -330,6 +330,27 @@ def _gpu(run: Run) -> tuple[str, str]:
     return head, table(["", "seconds", "rate"], rows)
 
 
+def _memory_tier(run: Run) -> tuple[str, str]:
+    (name, d), = run
+    med, runs = d["median_s"], d["runs"]
+    gib = d["state_bytes"] / 2**30
+    labels = {"memory": "tierckpt restore from the memory tier (`memory_tier=True`), verified",
+              "disk warm": "tierckpt restore from the local disk, files in the page cache",
+              "disk cold": "tierckpt restore from the local disk, files dropped from the page cache",
+              "memcpy": "limit: native copy into the tensors from private memory faulted in before",
+              "memcpy shm": "limit: native copy into the tensors from the slot file, mapped afresh",
+              "read warm": "limit: raw buffered read of the data files (page cache)",
+              "read cold": "limit: raw `O_DIRECT` read of the data files (dropped from the page cache)"}
+    rows = [[labels[c], f"{med[c]:.3f} s", f"{min(runs[c]):.3f}-{max(runs[c]):.3f} s",
+             f"{med[c] / med['memcpy']:.2f}x", f"{med[c] / med['memcpy shm']:.2f}x"] for c in labels if c in med]
+    head = (f"{gib:.0f} GiB, restart after a crash: memory tier {med['memory']:.3f} s = "
+            f"{med['memory'] / med['memcpy']:.2f}x a memcpy from private memory, "
+            f"{med['memory'] / med['memcpy shm']:.2f}x one from the freshly mapped slot file; local disk "
+            f"{med['disk cold']:.3f} s cold, {med['disk warm']:.3f} s warm")
+    return head, table(["case (a fresh process each)", "median", "min-max", "x memcpy", "x memcpy from the slot file"],
+                       rows)
+
+
 # ------------------------------------------------------------------------------------------------------ benchmarks
 @dataclass(frozen=True)
 class Benchmark:
@@ -490,6 +511,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "instant `save()` returns restores to its pre-save values, and a model saved and stepped with AdamW at "
         "once restores its pre-step parameters and optimizer state.",
         _gpu),
+    Benchmark(
+        "memory-tier", "Memory tier: restore after a process crash", rf"cpu_{_TAG}_memory_tier\.json",
+        (".venv/bin/python benchmarks/memory_tier.py --gib 1 --rounds 5 --out memory_tier.json",),
+        "A 1 GiB state saved once by a process with `memory_tier=True`, which is then SIGKILLed. Each case runs in a "
+        "fresh process per round (5 rounds, rotated order), as a restarted job: a zero-filled state of the same "
+        "layout, then the timed restore or copy. The memory-tier restore maps the slot file that outlived the "
+        "crash, hashes every byte against the manifest and copies it into the tensors; the disk restores use a "
+        "manager without the memory tier. The limits copy or read the same bytes: tierckpt's native copy into the "
+        "tensors from private memory faulted in before, and from the slot file mapped afresh (what mapping "
+        "shared memory in a new process costs is part of it), and raw reads of the data files. Medians; "
+        "[the memory tier](memory-tier.md) explains the costs.",
+        _memory_tier),
 )
 
 
