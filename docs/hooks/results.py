@@ -303,6 +303,37 @@ def _requests(run: Run) -> tuple[str, str]:
     return "; ".join(parts), collapsed("Every count, by operation", d.get("table", "").strip())
 
 
+def _incremental(run: Run) -> tuple[str, str]:
+    (name, d), = run
+    li, lf = d["lora_summary"]["incremental"], d["lora_summary"]["full"]
+    pi, pf = d["pretrain_summary"]["incremental"], d["pretrain_summary"]["full"]
+
+    def f(v: Any, unit: str = "") -> str:
+        return "-" if v is None else f"{v:.3f}{unit}"
+
+    rows = [
+        ["LoRA-style", "bytes written locally / bytes changed", f(li["written_over_changed"]),
+         f(lf["written_over_changed"])],
+        ["LoRA-style", "bytes uploaded / bytes changed", f(li.get("uploaded_over_changed")),
+         f(lf.get("uploaded_over_changed"))],
+        ["LoRA-style", "stall", f(li["stall_s"], " s"), f(lf["stall_s"], " s")],
+        ["LoRA-style", "durable locally", f(li["durable_s"], " s"), f(lf["durable_s"], " s")],
+        ["LoRA-style", "durable in the remote tier", f(li["uploaded_s"], " s"), f(lf["uploaded_s"], " s")],
+        ["LoRA-style", "restore of the newest step (cold, fresh manager)", f(li["restore_s"], " s"),
+         f(lf["restore_s"], " s")],
+        ["pretraining", "bytes written locally / bytes changed", f(pi["written_over_changed"]),
+         f(pf["written_over_changed"])],
+        ["pretraining", "stall", f(pi["stall_s"], " s"), f(pf["stall_s"], " s")],
+        ["pretraining", "durable locally", f(pi["durable_s"], " s"), f(pf["durable_s"], " s")],
+    ]
+    head = (f"LoRA-style: {li['written_over_changed']:.3f}x the changed bytes written"
+            + (f", {li['uploaded_over_changed']:.3f}x uploaded" if li.get("uploaded_over_changed") else "")
+            + f" (full saves {lf['written_over_changed']:.1f}x); pretraining durable "
+            f"{pi['durable_s'] / pf['durable_s']:.2f}x a full save's")
+    return head, table(["state", "per save (median of the saves after the first)", "`incremental=True`",
+                        "full saves"], rows)
+
+
 def _gpu(run: Run) -> tuple[str, str]:
     (name, d), = run
     t, lim, dc = d["tierckpt"], d["d2h_limit"], d.get("dcp_async_save") or {}
@@ -503,6 +534,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "three saves, a restart, and a restart with every local folder wiped. Counts per save and per restart, "
         "with the least-squares fit of each against W ([multi-rank jobs](distributed.md) discusses them).",
         _requests),
+    Benchmark(
+        "incremental", "Incremental checkpoints", rf"cpu_{_TAG}_incremental\.json",
+        (".venv/bin/python benchmarks/incremental.py --base-gib 1 --pretrain-gib 1 --saves 8 "
+         "--out incremental.json",),
+        "A LoRA-style state (a frozen 1 GiB bf16 base of GPT shapes, rank-16 fp32 adapters on its 2-D weights and "
+        "their AdamW moments) saved 8 times by a manager with `incremental=True` and by one without, both "
+        "uploading to moto's S3 server on loopback, saves interleaved; before each save the adapters and their "
+        "moments change. Bytes are those of the new local and remote step folders, manifests included, over the "
+        "bytes that changed. Then each run's newest step is restored by a fresh manager, its files dropped from the "
+        "page cache. A 1 GiB pretraining state (every tensor changes before every save) is saved 8 times locally "
+        "the same two ways. Medians of the saves after the first (the first writes everything either way).",
+        _incremental),
     Benchmark(
         "gpu", "GPU snapshot", r"gpu_h200_(?P<tag>\d{4}-\d{2}-\d{2}(?:_\d{4})?)\.json",
         ("python3 benchmarks/gpu_check.py --size-gib 4",),

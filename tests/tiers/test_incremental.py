@@ -157,6 +157,34 @@ def test_corrupt_referenced_blob_names_step_and_file_and_restore_falls_back(
     assert name in caplog.text and "step 4" in caplog.text.lower().replace("step=4", "step 4")
 
 
+def test_corrupt_referenced_blob_in_the_remote_tier_falls_back_to_an_older_step(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same on the remote tier (a path remote, zstd-compressed): the damaged shared file fails both steps that
+    use it there, and a remote restore falls back to the step before them."""
+    root, remote_root = tmp_path / "local", tmp_path / "remote"
+    kw: dict[str, Any] = {"incremental": True, "full_every": 2, "keep_local": 10, "remote_compression": "zstd",
+                          "log_records": False}
+    with CheckpointManager(root, remote=str(remote_root), **kw) as mgr:
+        for step in range(1, 5):  # 1 whole, 2 -> 1, 3 whole, 4 -> 3 (in both tiers)
+            mgr.save(step, lora_state(step))
+            mgr.wait()
+    remote = LocalStore(remote_root, tier="remote")
+    m4, rm4 = manifests(remote, 4)
+    shared = next(f for f in rm4.files if f.in_step == 3)
+    assert m4.refs == (3,) and shared.compression == "zstd"
+    path = remote_root / layout.step_dir(3) / shared.name
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING)
+    with CheckpointManager(tmp_path / "empty", remote=str(remote_root), **kw) as mgr:
+        state = empty_like(lora_state(2))
+        assert mgr.restore(state, source="remote") == 2
+        assert_tree_equal(state, lora_state(2), "remote step 2")
+    assert shared.name in caplog.text
+    assert cli.main(["verify", str(remote_root)]) != 0
+
+
 def test_incremental_steps_on_s3_upload_only_what_changed(tmp_path: Path, s3_bucket: str, s3_server: Any,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     url, opts = f"{s3_bucket}/run", s3_server.storage_options()

@@ -155,9 +155,7 @@ def write_rank(store: Store, folder: str, snap: RankSnapshot, executor: Executor
     """
     names = [layout.data_file_name(snap.rank, f.part, snap.save_id) for f in snap.files]
     if incremental is not None and hash_executor is not None:
-        done = _write_incremental(store, folder, snap, names, executor, hash_executor, *incremental)
-        with _gc.paused():
-            rank_manifest, raw = _encode_places(snap, names, done)
+        rank_manifest, raw = _write_incremental(store, folder, snap, names, executor, hash_executor, *incremental)
         rname = layout.rank_manifest_name(snap.rank, snap.save_id)
         faults.point("before-manifest")
         store.write_bytes(join(folder, rname), raw)  # only now: every data file is durable
@@ -279,11 +277,12 @@ def _matches(f: StagedFile, leaves: list[LeafMeta], digests: list[bytes], baseli
 
 
 def _write_incremental(store: Store, folder: str, snap: RankSnapshot, names: list[str], executor: Executor,
-                       hash_executor: Executor, inc: Incremental, baseline: Baseline) -> list[_Done]:
+                       hash_executor: Executor, inc: Incremental, baseline: Baseline) -> tuple[RankManifest, bytes]:
     """Write the files of an incremental save (see :mod:`.incremental`): a file whose last save skipped tensors (or
     that has no history) is hashed first, and only its changed tensors are written, as a smaller safetensors file
     of the same name (none when nothing changed); any other file is written whole while it is hashed, as in a full
-    save. Returns each file's outcome, in file order; waits for every write before returning or raising."""
+    save. Returns the rank manifest and its bytes, built while the last writes run; waits for every write before
+    returning or raising."""
     leaves = snap.leaves
 
     def hash_first(k: int) -> _Done:
@@ -329,12 +328,19 @@ def _write_incremental(store: Store, folder: str, snap: RankSnapshot, names: lis
     jobs = [executor.submit(hash_first, k) if first[k]
             else executor.submit(_write_file, store, join(folder, names[k]), f, None)
             for k, f in enumerate(snap.files)]
-    wait([*jobs, *hashed.values()])  # no write may outlive this call: the slot is released after it
-    done = [jobs[k].result() if first[k] else (jobs[k].result(), straight(k))[1] for k in range(len(snap.files))]
+    try:
+        # the straight files' hashes are ready long before the disk is done: the manifest is built meanwhile
+        done = [jobs[k].result() if first[k] else straight(k) for k in range(len(snap.files))]
+        with _gc.paused():  # tens of thousands of small objects for a large manifest, none in cycles (gcpause)
+            encoded = _encode_places(snap, names, done)
+    finally:
+        wait([*jobs, *hashed.values()])  # no write may outlive this call: the slot is released after it
+    for job in jobs:
+        job.result()  # a failed write fails the save
     with inc.lock:
         for f, d in zip(snap.files, done):
             inc.hash_first[f.part] = d.skippable
-    return done
+    return encoded
 
 
 def _encode_places(snap: RankSnapshot, names: list[str], done: list[_Done]) -> tuple[RankManifest, bytes]:
