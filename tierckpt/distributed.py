@@ -2,19 +2,35 @@
 
 The manager runs no collective on any process group and creates none. Every agreement (that each rank's shard of a
 step is durable, which step to restore, where a node's ranks are) is an :meth:`Coordinator.exchange` through the
-job's c10d store (the TCPStore or FileStore the default process group was created with): each rank sets one key,
-rank 0 waits for the W keys, reads them in one request, computes each rank's answer and sets one key per rank; each
-rank waits for its own answer and removes both of its keys. A rank therefore sends O(1) requests and bytes per
-agreement whatever the world size, rank 0 O(1) requests (its multi-key wait, get and set) carrying O(W) bytes, and
-no rank holds a connection to any other rank (a gloo group would connect every rank to every other).
+job's c10d store (the TCPStore or FileStore the default process group was created with). Agreement ``n`` of lane
+``L`` of manager ``m`` uses the keys under ``tierckpt/m<m>/<L>/<n>/``:
+
+1. each rank but 0 sets ``in/<rank>`` (its input) and adds 1 to ``arrived``; the rank that brings it to W sets
+   ``all``;
+2. rank 0 waits for ``all`` (one key), reads the W-1 inputs in batches (:mod:`.store_client`: at most 512 keys and
+   about 64 KiB per request), computes the answers, sets ``out/<rank>`` for the ranks whose answer differs from the
+   common one (in batches), then ``answer``: the common answer, with the number of ranks that will read it;
+3. each rank waits for ``answer``, reads it and its ``out/<rank>`` if it has one, removes ``out/<rank>`` and
+   ``in/<rank>``, and adds 1 to ``read``; the rank that brings ``read`` to the number of readers removes
+   ``answer``, ``read``, ``arrived`` and ``all``.
+
+So every rank sends and receives O(1) requests and bytes per agreement, whatever the world size: its input and
+answer are bounded (a rank's steps in its node-local tier, a few fields; never a list of ranks or of remote steps),
+and an answer common to all is stored once. Rank 0 makes O(W / 512) requests carrying O(W) bytes, none of them
+serial per rank. No value exceeds :data:`~tierckpt.store_client.MAX_VALUE_BYTES` (1 MiB; libuv's TCPStore refuses
+8 MiB), and no request grows past a batch (libuv's server parses an unfinished request again from its start, so a
+large request costs it quadratic time). When the agreement is over, none of its keys is left, whether it succeeded
+or failed: a rank rank 0 gave up on (and any rank that gave up on rank 0) removes its own input and the arrival
+keys. No rank holds a connection to any other rank (a gloo group would connect every rank to every other).
 
 Agreements come in *lanes*, one per thread that makes them (the persist thread; the caller's thread for
 construction, restore and rollback): each lane numbers its agreements, and every rank makes the same agreements of
 a lane in the same order, so the numbers match without a message. Each lane talks over its own connection to the
 store (a blocking wait on a TCPStore client holds that client until it returns). A rank that dies or hangs makes
 rank 0's wait run out after ``collective_timeout_s``; rank 0 then answers every rank with an error naming the ranks
-that never arrived. If rank 0 itself dies, the others' waits for its answer run out after twice that time, with an
-error saying so.
+that never arrived (the first 64, and the count of the others). If rank 0 itself dies, the others' waits for its
+answer run out after twice that time, with an error saying so. A failure of the store itself (its host gone, a
+connection reset) is an :class:`AgreementError` naming the rank and the store, on every rank that meets it.
 
 Agreements carry JSON of a fixed set of types (:mod:`.engine.messages`): nothing a rank reads from the store is
 unpickled.
@@ -32,7 +48,8 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +58,10 @@ import torch.distributed as dist
 from .engine.messages import Codec, MessageError
 from .errors import CheckpointError
 from .format.manifest import RankRef, StepManifest
+from .store_client import MAX_VALUE_BYTES, AgreementError, StoreOps
 from .tiers.listing import TierListings
+
+__all__ = ["AgreementError", "Coordinator", "Lane", "Split", "StoreChannel", "Topology", "rank_and_world"]
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +91,6 @@ class Topology:
     @property
     def is_node_leader(self) -> bool:
         return self.rank == self.node_ranks[0]
-
-
-class AgreementError(CheckpointError):
-    """The ranks could not agree: a rank never reached the agreement (it died or hung) or rank 0 never answered.
-    ``ranks`` names the ranks that never arrived, where rank 0 could tell."""
-
-    def __init__(self, message: str, *, ranks: list[int] | None = None, **kw: Any) -> None:
-        super().__init__(message, **kw)
-        self.ranks = ranks or []
 
 
 class Lane:
@@ -117,28 +128,19 @@ def _default_store() -> Any:
         raise CheckpointError(f"a multi-rank CheckpointManager needs the default process group's store: {exc}") from exc
 
 
-def _wait(store: Any, keys: list[str], timeout_s: float) -> list[str]:
-    """The keys of ``keys`` that are set once all are, or when ``timeout_s`` ran out."""
-    try:
-        store.wait(keys, datetime.timedelta(seconds=max(0.001, timeout_s)))
-        return keys
-    except Exception:  # the store's timeout error: some are not set
-        return [k for k in keys if store.check([k])]
+class Split:
+    """An answer in two parts: ``common``, the same for every rank (set once, under one key that every rank reads),
+    and ``own[r]``, more for the few ranks that get more (one key each). Rank r receives ``(common, own.get(r))``;
+    indexing a Split gives just that, so it stands wherever a list of W answers does."""
 
+    def __init__(self, common: Any, own: dict[int, Any] | None = None, *, world_size: int) -> None:
+        self.common, self.own, self.world_size = common, own or {}, world_size
 
-def _get_many(store: Any, keys: list[str]) -> list[bytes]:
-    try:
-        return list(store.multi_get(keys))
-    except AttributeError:  # torch < 2.4
-        return [store.get(k) for k in keys]
+    def __len__(self) -> int:
+        return self.world_size
 
-
-def _set_many(store: Any, keys: list[str], values: list[bytes]) -> None:
-    try:
-        store.multi_set(keys, values)
-    except AttributeError:  # torch < 2.4
-        for k, v in zip(keys, values):
-            store.set(k, v)
+    def __getitem__(self, rank: int) -> tuple[Any, Any]:
+        return self.common, self.own.get(rank)
 
 
 class Coordinator:
@@ -147,81 +149,139 @@ class Coordinator:
     Lanes: :attr:`persist_lane` (the persist thread: a step's shards are durable, committed on every node) and
     :attr:`main_lane` (the caller's thread: construction, restore, rollback). Operations, each made by every rank
     on the same lane in the same order: :meth:`exchange` (rank 0 answers each rank from everyone's input),
-    :meth:`reduce` (one answer for all), :meth:`broadcast`, :meth:`scatter` and :meth:`barrier`."""
+    :meth:`reduce` (one answer for all), :meth:`broadcast`, :meth:`scatter` and :meth:`barrier`.
 
-    def __init__(self, local_dir: str, *, timeout_s: float) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise CheckpointError("a multi-rank CheckpointManager needs torch.distributed to be initialised")
+    ``store``, ``rank`` and ``world_size`` default to the default process group's; given, no process group is
+    needed (``benchmarks/restart_sim.py`` runs thousands of ranks' coordinators in a few processes)."""
+
+    def __init__(self, local_dir: str, *, timeout_s: float, store: Any = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        if store is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise CheckpointError("a multi-rank CheckpointManager needs torch.distributed to be initialised")
+            store = _default_store()
+        if rank is None or world_size is None:
+            rank, world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s = timeout_s
-        self._rank, self._world = dist.get_rank(), dist.get_world_size()
-        self._store = _default_store()
+        self._rank, self._world = rank, world_size
+        self._store = store
         # the n-th manager this rank creates in this job: every rank creates them in the same order
-        n = self._store.add(f"tierckpt/managers/r{self._rank}", 1)
+        n = StoreOps(store, rank, what="start-up").add(f"tierckpt/managers/r{self._rank}", 1)
         self._prefix = f"tierckpt/m{n}/"
         self.persist_lane = Lane("persist", _connection(self._store))
         self.main_lane = Lane("main", _connection(self._store))
         me = (socket.gethostname(), os.path.realpath(local_dir))
-        node_ranks, run_id = self.exchange(me, self.main_lane, _nodes, what="start-up")
+        run_id, node_ranks = self.exchange(me, self.main_lane, _nodes, what="start-up")
         self.topology = Topology(self._rank, self._world, tuple(node_ranks), run_id)
         log.info("rank %d of %d: local folder shared with ranks %s; run %s", self._rank, self._world, list(node_ranks),
                  run_id)
 
     # --------------------------------------------------------------------------------------------- agreements
-    def exchange(self, obj: Any, lane: Lane, answer: Callable[[list[Any]], list[Any]], *, what: str,
+    def exchange(self, obj: Any, lane: Lane, answer: Callable[[list[Any]], Sequence[Any]], *, what: str,
                  step: int | None = None) -> Any:
         """Every rank hands in ``obj``; rank 0 calls ``answer`` with the W objects (in rank order) and each rank
-        returns its element of the list it returns. Raises :class:`AgreementError` naming the ranks that did not
-        arrive within ``timeout_s`` (or saying that rank 0 did not answer), on every rank that can still hear it;
-        an exception ``answer`` raises is raised on every rank."""
+        returns its element of the list it returns (or of the :class:`Split`: ``(common, own)``). Raises
+        :class:`AgreementError` naming the ranks that did not arrive within ``timeout_s`` (or saying that rank 0
+        did not answer, or that the store failed), on every rank that can still hear it; an exception ``answer``
+        raises is raised on every rank. See the module docstring for the keys and their bounds."""
         seq = lane.next()
         base = f"{self._prefix}{lane.name}/{seq}/"
-        mine, out = f"{base}in/{self._rank}", f"{base}out/{self._rank}"
+        io = StoreOps(lane.store, self._rank, what=what, step=step)
         try:
             payload = _CODEC.encode(obj)
+            if self._rank != 0 and len(payload) > MAX_VALUE_BYTES:  # rank 0's input never goes to the store
+                raise TypeError(f"its input is {len(payload)} bytes, over the {MAX_VALUE_BYTES} an agreement carries")
         except TypeError as exc:  # a bug; still hand something in, so that no rank waits for this one
             payload = _CODEC.encode(_Failed(message=f"rank {self._rank}: {exc}"))
-        lane.store.set(mine, payload)
         if self._rank == 0:
-            self._answer(lane.store, base, answer, what, step)
-        if not _wait(lane.store, [out], 2 * self.timeout_s):
-            raise AgreementError(f"rank 0 did not answer ({what}) within {2 * self.timeout_s:.0f} s; it may have died",
-                                 ranks=[0], step=step)
-        raw = lane.store.get(out)
-        for key in (mine, out):
-            lane.store.delete_key(key)
+            kind, raw = self._lead(io, base, payload, answer, what)
+        else:
+            kind, raw = self._follow(io, base, payload, what, step)
         try:
-            reply = _CODEC.decode(raw)
+            reply = _CODEC.decode(raw[0]), None if raw[1] is None else _CODEC.decode(raw[1])
         except MessageError as exc:
             raise CheckpointError(f"ranks could not agree ({what}): rank 0's answer is malformed: {exc}",
                                   step=step) from None
-        if isinstance(reply, _Failed):
-            raise reply.error(what, step)
-        return reply
+        if isinstance(reply[0], _Failed):
+            raise reply[0].error(what, step)
+        if kind == _SPLIT:
+            return reply
+        return reply[0] if reply[1] is None else reply[1]
 
-    def _answer(self, store: Any, base: str, answer: Callable[[list[Any]], list[Any]], what: str,
-                step: int | None) -> None:
-        keys = [f"{base}in/{r}" for r in range(self._world)]
-        there = set(_wait(store, keys, self.timeout_s))
-        if len(there) < len(keys):
-            missing = [r for r, k in enumerate(keys) if k not in there]
-            log.error("rank(s) %s did not reach the agreement (%s) within %.0f s", missing, what, self.timeout_s)
-            payloads = [_CODEC.encode(_Failed(missing=missing))] * self._world
+    def _follow(self, io: StoreOps, base: str, payload: bytes, what: str,
+                step: int | None) -> tuple[bytes, tuple[bytes, bytes | None]]:
+        """A rank but 0: hand in ``payload``, wait for the common answer, read its own if it has one, and remove
+        the keys it set (the last reader of the common answer removes the agreement's shared keys)."""
+        mine = f"{base}in/{self._rank}"
+        io.set(mine, payload)
+        if io.add(base + _ARRIVED, 1) == self._world:
+            io.set(base + _ALL, b"")
+        if not io.wait([base + _COMMON], 2 * self.timeout_s):
+            self._abandon(io, base)
+            raise AgreementError(f"rank 0 did not answer ({what}) within {2 * self.timeout_s:.0f} s; it may have died",
+                                 ranks=[0], step=step)
+        kind, has_own, readers, common = _unpack(io.get(base + _COMMON))
+        own = None
+        if has_own and io.check([f"{base}out/{self._rank}"]):
+            own = io.get(f"{base}out/{self._rank}")
+            io.delete(f"{base}out/{self._rank}")
+        io.delete(mine)
+        if common.startswith(_FAILED_TAG) and self._rank in _decode_failed(common):
+            self._abandon(io, base)  # too late: rank 0 gave up on this rank
+        elif io.add(base + _READ, 1) >= readers:
+            io.delete(base + _COMMON, base + _READ, base + _ARRIVED, base + _ALL)
+        return kind, (common, own)
+
+    def _abandon(self, io: StoreOps, base: str) -> None:
+        """A rank that will not read this agreement's answer (rank 0 died, or gave up on this rank): its own input
+        and the arrival keys it may have set (every other rank has read its answer by then) go, best effort."""
+        try:
+            io.delete(f"{base}in/{self._rank}", base + _ARRIVED, base + _ALL)
+        except AgreementError as exc:
+            log.debug("rank %d: cannot remove the keys of an abandoned agreement: %s", self._rank, exc)
+
+    def _lead(self, io: StoreOps, base: str, payload: bytes, answer: Callable[[list[Any]], Sequence[Any]],
+              what: str) -> tuple[bytes, tuple[bytes, bytes | None]]:
+        """Rank 0: wait for every rank (one key, set by the last to arrive), read their inputs in batches, answer,
+        set the per-rank answers in batches and then the common one; return rank 0's own."""
+        world = self._world
+        arrived = io.add(base + _ARRIVED, 1) if world > 1 else 1
+        keys = [f"{base}in/{r}" for r in range(1, world)]
+        missing: list[int] = []
+        if arrived < world and not io.wait([base + _ALL], self.timeout_s):
+            missing = [i + 1 for i in io.absent(keys)]
+        own_items: list[tuple[str, bytes]] = []
+        if missing:
+            log.error("rank(s) %s did not reach the agreement (%s) within %.0f s", _some_ranks(missing), what,
+                      self.timeout_s)
+            kind, common, mine = _PLAIN, _CODEC.encode(_Failed.of(missing)), None
         else:
             try:
-                inputs = []
-                for r, raw in enumerate(_get_many(store, keys)):
+                inputs = [_CODEC.decode(payload)]
+                for r, raw in enumerate(io.get_many(keys), start=1):
                     try:
                         inputs.append(_CODEC.decode(raw))
                     except MessageError as exc:
                         raise MessageError(f"rank {r}'s input: {exc}") from None
                 failed = next((i for i in inputs if isinstance(i, _Failed)), None)
-                replies = [failed] * self._world if failed is not None else answer(inputs)
-                if len(replies) != self._world:
-                    raise RuntimeError(f"{len(replies)} answers for {self._world} ranks")
-                payloads = [_CODEC.encode(r) for r in replies]
+                replies = [failed] * world if failed is not None else answer(inputs)
+                if len(replies) != world:
+                    raise RuntimeError(f"{len(replies)} answers for {world} ranks")
+                kind, common, mine, own = _encode_answer(replies)
+                own_items = [(f"{base}out/{r}", v) for r, v in own.items()]
+            except AgreementError:
+                raise
             except Exception as exc:
-                payloads = [_CODEC.encode(_Failed(message=f"rank 0 failed: {type(exc).__name__}: {exc}"))] * self._world
-        _set_many(store, [f"{base}out/{r}" for r in range(self._world)], payloads)
+                kind, common, mine, own_items = _PLAIN, _CODEC.encode(
+                    _Failed(message=f"rank 0 failed: {type(exc).__name__}: {exc}"[:4096])), None, []
+        if world == 1:  # nobody to tell
+            return kind, (common, mine)
+        io.set_many(own_items)
+        readers = world - len(missing)
+        io.set(base + _COMMON, _pack(kind, bool(own_items), readers, common))
+        if io.add(base + _READ, 1) >= readers:
+            io.delete(base + _COMMON, base + _READ, base + _ARRIVED, base + _ALL)
+        return kind, (common, mine)
 
     def reduce(self, obj: Any, lane: Lane, combine: Callable[[list[Any]], Any], *, what: str,
                step: int | None = None) -> Any:
@@ -250,31 +310,100 @@ class Coordinator:
 
 @dataclass(frozen=True)
 class _Failed:
-    """Rank 0's answer when an agreement failed: the ranks that never arrived, or the error its answer raised (also
-    what a rank hands in when its input cannot be sent, so that rank 0 fails the agreement for everyone)."""
+    """Rank 0's answer when an agreement failed: the ranks that never arrived (at most :data:`LISTED_RANKS`, and
+    the count of the others), or the error its answer raised (also what a rank hands in when its input cannot be
+    sent, so that rank 0 fails the agreement for everyone)."""
 
     missing: list[int] = field(default_factory=list)
     message: str = ""
+    more: int = 0
+
+    @classmethod
+    def of(cls, missing: list[int]) -> _Failed:
+        return cls(missing=missing[:LISTED_RANKS], more=max(0, len(missing) - LISTED_RANKS))
 
     def error(self, what: str, step: int | None) -> CheckpointError:
         if self.missing:
             names = ", ".join(f"rank {r}" for r in self.missing)
-            return AgreementError(f"ranks could not agree ({what}); {names} never reached it (died or hung)",
+            more = f" and {self.more} more ranks" if self.more else ""
+            return AgreementError(f"ranks could not agree ({what}); {names}{more} never reached it (died or hung)",
                                   ranks=self.missing, step=step)
         return CheckpointError(f"ranks could not agree ({what}): {self.message}", step=step)
 
 
 #: What agreements carry: JSON with a fixed set of types (:mod:`.engine.messages`), never pickle.
 _CODEC = Codec((StepManifest, RankRef, TierListings, _Failed))
+#: The start of an encoded :class:`_Failed`.
+_FAILED_TAG = b'{"_Failed"'
+#: A failed agreement names at most this many ranks (and counts the others).
+LISTED_RANKS = 64
+#: The keys of agreement ``<prefix><lane>/<seq>/``: besides ``in/<rank>`` (each rank's input, ranks 1..W-1) and
+#: ``out/<rank>`` (the ranks whose answer is their own), the arrival counter, the key its last arrival sets, the
+#: common answer and the counter of its readers.
+_ARRIVED, _ALL, _COMMON, _READ = "arrived", "all", "answer", "read"
+#: How a common answer reads: a plain answer (the rank's own, if any, replaces it) or a :class:`Split`.
+_PLAIN, _SPLIT = b"p", b"s"
 
 
-def _nodes(everyone: list[tuple[str, str]]) -> list[tuple[list[int], str]]:
-    """Start-up, on rank 0: each rank's node (the ranks with its host and folder) and the run's id."""
+def _pack(kind: bytes, has_own: bool, readers: int, common: bytes) -> bytes:
+    """The common answer's value: ``<kind><0|1 has own answers><readers>\n`` then the encoded answer."""
+    return kind + (b"1" if has_own else b"0") + str(readers).encode() + b"\n" + common
+
+
+def _unpack(raw: bytes) -> tuple[bytes, bool, int, bytes]:
+    head, _, body = raw.partition(b"\n")
+    try:
+        return head[:1], head[1:2] == b"1", int(head[2:]), body
+    except ValueError:
+        raise CheckpointError(f"ranks could not agree: rank 0's answer is malformed ({head[:32]!r})") from None
+
+
+def _decode_failed(raw: bytes) -> list[int]:
+    """The ranks an encoded :class:`_Failed` names as missing (none if it is malformed)."""
+    try:
+        failed = _CODEC.decode(raw)
+    except MessageError:
+        return []
+    return failed.missing if isinstance(failed, _Failed) else []
+
+
+def _encode_answer(replies: Sequence[Any]) -> tuple[bytes, bytes, bytes | None, dict[int, bytes]]:
+    """Rank 0's answers as (kind, the common answer, rank 0's own or None, the other ranks' own): a :class:`Split`
+    as it is; a list with its most frequent answer common (each distinct object encoded once) and the others
+    each rank's own. Raises ValueError for a value over :data:`MAX_VALUE_BYTES`, TypeError for one no message
+    carries."""
+    if isinstance(replies, Split):
+        kind, common = _SPLIT, _CODEC.encode(replies.common)
+        own = {r: _CODEC.encode(v) for r, v in replies.own.items()}
+    else:
+        done: dict[int, bytes] = {}
+        encoded = []
+        for x in replies:
+            if id(x) not in done:
+                done[id(x)] = _CODEC.encode(x)
+            encoded.append(done[id(x)])
+        common = Counter(encoded).most_common(1)[0][0]
+        kind, own = _PLAIN, {r: e for r, e in enumerate(encoded) if e != common}
+    mine = own.pop(0, None)
+    big = max([len(common) + 64, *map(len, own.values())])
+    if big > MAX_VALUE_BYTES:
+        raise ValueError(f"an answer of {big} bytes exceeds the {MAX_VALUE_BYTES} an agreement carries")
+    return kind, common, mine, own
+
+
+def _some_ranks(ranks: list[int], shown: int = 16) -> str:
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return f"{ranks[:shown]}{more}"
+
+
+def _nodes(everyone: list[tuple[str, str]]) -> Split:
+    """Start-up, on rank 0: the run's id (common) and each rank's node (the ranks with its host and folder)."""
     run_id = secrets.token_hex(8)
     nodes: dict[tuple[str, str], list[int]] = {}
     for r, where in enumerate(everyone):
         nodes.setdefault(tuple(where), []).append(r)  # type: ignore[arg-type]
-    return [(nodes[tuple(where)], run_id) for where in everyone]  # type: ignore[index]
+    return Split(run_id, {r: nodes[tuple(where)] for r, where in enumerate(everyone)},  # type: ignore[index]
+                 world_size=len(everyone))
 
 
 class StoreChannel:
@@ -288,9 +417,13 @@ class StoreChannel:
 
     def __init__(self, run_id: str, rank: int, world_size: int, *, store: Any = None) -> None:
         self.leader = rank == 0
+        self._rank = rank
         self._prefix = f"tierckpt/{run_id}/upload/"
         self._followers = world_size - 1
         self._store = _default_store() if store is None else store
+
+    def _io(self) -> StoreOps:
+        return StoreOps(self._store, self._rank, what="upload messages")
 
     def publish(self, seq: int, decision: dict[str, Any]) -> None:
         self.post(str(seq), decision)
@@ -299,30 +432,37 @@ class StoreChannel:
         return self.fetch([str(seq)], timeout_s, readers=self._followers).get(str(seq))
 
     def post(self, name: str, value: dict[str, Any]) -> None:
-        """Set ``name`` (under this run's prefix) to ``value``, as JSON."""
-        self._store.set(self._prefix + name, json.dumps(value))
+        """Set ``name`` (under this run's prefix) to ``value``, as JSON. Raises :class:`AgreementError` if the
+        store fails, ValueError for a value over :data:`~tierckpt.store_client.MAX_VALUE_BYTES`."""
+        self._io().set(self._prefix + name, json.dumps(value).encode())
+
+    def withdraw(self, name: str) -> None:
+        """Remove this rank's message ``name`` (one fetched with ``readers=0``), once its reader is done with it."""
+        try:
+            self._io().delete(self._prefix + name)
+        except AgreementError as exc:
+            log.debug("cannot remove the message %s: %s", name, exc)
 
     def fetch(self, names: list[str], timeout_s: float | None, *, readers: int) -> dict[str, dict[str, Any]]:
         """The values of ``names`` once every one is set, or of those set when ``timeout_s`` ran out (None: the
-        store's own timeout). Each of the ``readers`` ranks that fetch a name counts itself; the last removes it."""
+        store's own timeout), read in batches (O(len(names) / BATCH_KEYS) requests). Each of the ``readers`` ranks
+        that fetch a name counts itself and the last removes it; with ``readers=0`` the poster removes it
+        (:meth:`withdraw`). Raises :class:`AgreementError` if the store fails."""
+        io = self._io()
         keys = [self._prefix + n for n in names]
-        try:
-            if timeout_s is None:
-                self._store.wait(keys)
-            else:
-                self._store.wait(keys, datetime.timedelta(seconds=max(0.001, timeout_s)))
-            there = keys
-        except Exception:  # the store's timeout error: some are not set yet
-            there = [k for k in keys if self._store.check([k])]
-        out = {}
-        for name, key in zip(names, keys):
-            if key not in there:
-                continue
-            out[name] = json.loads(self._store.get(key))
+        if timeout_s is None:
+            timeout_s = getattr(self._store, "timeout", datetime.timedelta(seconds=300)).total_seconds()
+        if io.wait(keys, timeout_s):
+            there = list(range(len(keys)))
+        else:  # the wait ran out: some are not set yet
+            gone = set(io.absent(keys))
+            there = [i for i in range(len(keys)) if i not in gone]
+        values = io.get_many([keys[i] for i in there])
+        out = {names[i]: json.loads(v) for i, v in zip(there, values)}
+        for i in there if readers > 0 else ():
             try:
-                if self._store.add(f"{key}/read", 1) >= readers:
-                    self._store.delete_key(key)
-                    self._store.delete_key(f"{key}/read")
-            except Exception as exc:  # a store without delete_key keeps a few bytes per message
-                log.debug("cannot remove the read message %s: %s", key, exc)
+                if io.add(f"{keys[i]}/read", 1) >= readers:
+                    io.delete(keys[i], f"{keys[i]}/read")
+            except AgreementError as exc:  # the message was read; the store may hold it a while longer
+                log.debug("cannot remove the read message %s: %s", keys[i], exc)
         return out

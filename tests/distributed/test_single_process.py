@@ -422,7 +422,7 @@ def restore_peer(candidates: list[int], outcome: Callable[[], tuple[str, str]] =
         assert lane == "main"
         if obj is None or isinstance(obj, list):  # start-up: the clean-up barrier, the steps every rank holds
             return obj
-        return {"steps": list(candidates), "shared_first": []} if isinstance(obj, dict) else outcome()
+        return {"local": list(candidates)} if isinstance(obj, dict) else outcome()  # rank 1's node-local steps
 
     return peer
 

@@ -7,11 +7,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, MutableMapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from ..distributed import Split
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,6 +30,8 @@ from ..tiers import sharded
 from ..tiers.listing import TierListings, list_tiers
 from ..tiers.reader import read_step
 from ..tiers.writer import RankSnapshot
+from . import restore_plan
+from .restore_plan import RestorePlan, describe_ranks, my_tiers
 
 if TYPE_CHECKING:
     from ..distributed import Coordinator
@@ -60,55 +62,79 @@ def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> 
             outcome |= {"created": time.time(), "metadata": snap.metadata}
     except Exception as exc:
         log.error("tier local: rank %d could not write its shard of step %d: %s", topo.rank, step, exc)
-        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        outcome = {"error": f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]}
     finally:
         release()
-    verdict = _agree(coord, outcome, _written, step, "shards written")
+    verdict, refs = _agree(coord, outcome, _written, step, "shards written")
     if "failed" in verdict:
         try:
             sharded.discard_shard(eng.local, step, topo.rank, sid)
         except Exception as exc:  # best effort: the error that names the failing rank matters more
             log.warning("tier local: rank %d could not remove its shard of failed step %d: %s", topo.rank, step, exc)
-        raise CheckpointError(f"step not committed: rank(s) {sorted(verdict['failed'])} failed to save: "
-                              + _some(verdict["failed"]), step=step, tier="local", path=eng.local.url)
+        raise CheckpointError(f"step not committed: rank(s) {_ranks(verdict)} failed to save: "
+                              + _some(verdict["failed"], verdict.get("count")), step=step, tier="local",
+                              path=eng.local.url)
     ok: dict[str, Any] = {}
     if topo.is_node_leader:
         manifest = StepManifest(
-            step=step, world_size=topo.world_size, save_id=sid, ranks=tuple(RankRef(*r) for r in verdict["refs"]),
+            step=step, world_size=topo.world_size, save_id=sid, ranks=tuple(RankRef(*r) for r in refs),
             total_bytes=verdict["bytes"], metadata=verdict["metadata"], created=verdict["created"],
             holds_ranks=topo.node_ranks,
         )
         try:
             commit_local(eng, manifest)
         except Exception as exc:
-            ok = {"error": f"{type(exc).__name__}: {exc}"}
-    confirmed = _agree(coord, ok, _committed, step, "committed on every node")
+            ok = {"error": f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]}
+    confirmed, _ = _agree(coord, ok, _committed, step, "committed on every node")
     if "failed" in confirmed:
-        raise CheckpointError(f"step not committed on the node(s) of rank(s) {sorted(confirmed['failed'])}: "
-                              + _some(confirmed["failed"]), step=step, tier="local", path=eng.local.url)
+        raise CheckpointError(f"step not committed on the node(s) of rank(s) {_ranks(confirmed)}: "
+                              + _some(confirmed["failed"], confirmed.get("count")), step=step, tier="local",
+                              path=eng.local.url)
 
 
-def _written(outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rank 0's answers to "shards written": the failures for everyone, or each node leader its node's rank
-    references (with the step's size, creation time and metadata); the other ranks just an ok."""
-    failed = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+#: A rank's error travels cut to this many characters; a failure names at most :data:`_LISTED` ranks' errors.
+_ERROR_CHARS, _LISTED = 1024, 8
+
+
+def _failures(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The failed ranks of ``outcomes``, bounded: the first :data:`_LISTED` ranks' errors and the count of all
+    (an answer common to every rank: a job-wide failure must not send every rank every rank's error)."""
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if "error" in o]
+    if not failed:
+        return {}
+    return {"failed": dict(failed[:_LISTED]), "count": len(failed)}
+
+
+def _written(outcomes: list[dict[str, Any]]) -> Split:
+    """Rank 0's answer to "shards written": common, the failures, or the step's size, creation time and metadata;
+    each node leader's own, its node's rank references (O(ranks per node))."""
+    world = len(outcomes)
+    failed = _failures(outcomes)
     if failed:
-        return [{"failed": failed}] * len(outcomes)
+        return Split(failed, world_size=world)
     total, zero = sum(o["bytes"] for o in outcomes), outcomes[0]
-    return [{} if o["node"] is None else
-            {"refs": [outcomes[n]["ref"] for n in o["node"]], "bytes": total, "created": zero["created"],
-             "metadata": zero["metadata"]} for o in outcomes]
+    return Split({"bytes": total, "created": zero["created"], "metadata": zero["metadata"]},
+                 {r: [outcomes[n]["ref"] for n in o["node"]] for r, o in enumerate(outcomes) if o["node"] is not None},
+                 world_size=world)
 
 
-def _committed(outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    failed = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
-    return [{"failed": failed} if failed else {}] * len(outcomes)
+def _committed(outcomes: list[dict[str, Any]]) -> Split:
+    return Split(_failures(outcomes), world_size=len(outcomes))
 
 
-def _some(failed: dict[int, str], shown: int = 8) -> str:
-    """``rank r: error`` for the first ``shown`` ranks of ``failed`` (a job-wide failure names thousands)."""
+def _ranks(verdict: dict[str, Any]) -> str:
+    """The failed ranks a verdict names (``[1, 5]``, or ``[1, 5, ...] and 90 more``)."""
+    listed = sorted(verdict["failed"])
+    more = verdict.get("count", len(listed)) - len(listed)
+    return f"{listed}" + (f" and {more} more" if more > 0 else "")
+
+
+def _some(failed: dict[int, str], count: int | None = None, shown: int = 8) -> str:
+    """``rank r: error`` for the first ``shown`` ranks of ``failed`` (a job-wide failure names thousands), of
+    ``count`` in all."""
     items = sorted(failed.items())
-    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+    n = len(items) if count is None else count
+    more = f"; and {n - shown} more" if n > shown else ""
     return "; ".join(f"rank {r}: {e}" for r, e in items[:shown]) + more
 
 
@@ -118,11 +144,12 @@ def commit_local(eng: Engine, manifest: StepManifest) -> None:
              manifest.world_size, eng.local.url)
 
 
-def _agree(coord: Coordinator, obj: Any, answer: Callable[[list[Any]], list[Any]], step: int,
-           what: str) -> dict[str, Any]:
+def _agree(coord: Coordinator, obj: Any, answer: Callable[[list[Any]], Split], step: int,
+           what: str) -> tuple[dict[str, Any], Any]:
+    """``(common, own)`` of an agreement on the persist lane; a failed agreement fails the step."""
     try:
-        out: dict[str, Any] = coord.exchange(obj, coord.persist_lane, answer, what=what, step=step)
-        return out
+        common, own = coord.exchange(obj, coord.persist_lane, answer, what=what, step=step)
+        return common, own
     except CheckpointError as exc:  # a rank died or hung, or rank 0 never answered
         raise CheckpointError(f"step not committed: {exc.detail}", step=step) from exc
 
@@ -145,69 +172,75 @@ def upload(eng: Engine, step: int, opts: dict[str, Any], *, channel: Any, attemp
                           tier=eng.remote.tier, path=eng.remote.url, transient=is_transient(exc)) from exc
 
 
-def candidates(eng: Engine, tiers: list[Store], listing: TierListings) -> dict[int, list[Store]]:
-    """Steps committed in some tier that holds this rank's shard, with the tiers to try, local first."""
+def local_steps(eng: Engine, tiers: list[Store], listing: TierListings) -> set[int]:
+    """The steps committed in this rank's node-local tier (if it is read) that hold this rank's shard: at most
+    ``keep_local`` of them, read from the node's step manifests."""
     rank = eng.coord.topology.rank if eng.coord is not None else eng.rank
-    out: dict[int, list[Store]] = {}
-    for store in tiers:
-        for s in sorted(listing.steps.get(store.tier, ())):
-            # a remote step holds every rank's shard (its manifest says so: no request per step and rank)
-            if store.tier != "local" or sharded.holds_rank(store, s, rank):
-                out.setdefault(s, []).append(store)
-    return out
+    local = next((t for t in tiers if t.tier == "local"), None)
+    if local is None:
+        return set()
+    return {s for s in listing.steps.get(local.tier, ()) if sharded.holds_rank(local, s, rank)}
 
 
 def list_tiers_shared(eng: Engine, tiers: list[Store], *, deadline_s: float | None) -> TierListings:
-    """Each rank lists its node's local tier; rank 0 alone lists the shared tiers (the remote) and hands its
-    listing to every rank, so a restart lists the remote once, not once per rank."""
+    """Each rank lists its node's local tier; rank 0 alone lists the shared tiers (the remote), so a restart lists
+    the remote once, not once per rank, and no rank but 0 ever holds the remote's steps (the restore plan hands
+    every rank only the decision it needs: :mod:`.restore_plan`)."""
     coord = eng.coord
     assert coord is not None
     mine = list_tiers([t for t in tiers if t.tier == "local"], deadline_s=deadline_s)
     shared = [t for t in tiers if t.tier != "local"]
-    ours = list_tiers(shared, deadline_s=deadline_s) if shared and coord.topology.rank == 0 else None
-    theirs = coord.broadcast(ours, coord.main_lane, what="listing the remote") if shared else None
-    if not isinstance(theirs, TierListings):
+    if not shared or coord.topology.rank != 0:
         return mine
-    return TierListings({**mine.steps, **theirs.steps}, {**mine.failed, **theirs.failed})
+    ours = list_tiers(shared, deadline_s=deadline_s)
+    return TierListings({**mine.steps, **ours.steps}, {**mine.failed, **ours.failed})
 
 
 def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tiers: list[Store], *,
             strict: bool, load: Callable[..., Any], listing: TierListings) -> int | None:
-    """Every rank loads the same step: the newest that every rank can load intact from some tier. A rank whose
-    listing depends on a tier it could not read (:meth:`TierListings.require`) makes every rank raise."""
+    """Every rank loads the same step: the newest that every rank can load intact from some tier (see
+    :mod:`.restore_plan` for what the ranks tell each other). A rank whose listing depends on a tier it could not
+    read (:meth:`TierListings.require`) makes every rank raise."""
     coord = eng.coord
     assert coord is not None
+    rank = coord.topology.rank
+    urls = ", ".join(t.url for t in tiers)
     try:
-        listing.require(step, ", ".join(t.url for t in tiers))
+        listing.require(step, urls)
         blocked = None
     except StorageError as exc:
         blocked = exc
-    mine = candidates(eng, tiers, listing)
-    # each rank's steps, and those it will read from a shared tier first (its node does not hold its shard)
-    offer = None if blocked is not None else {
-        "steps": sorted(mine), "shared_first": [s for s, st in mine.items() if st[0].tier != "local"]}
-    plan = coord.reduce(offer, coord.main_lane, partial(_plan, step), what="the step to restore", step=step)
+    local = local_steps(eng, tiers, listing) if blocked is None else set()
+    shared = {s for t in tiers if t.tier != "local" for s in listing.steps.get(t.tier, ())}
+    planner = RestorePlan(step, local_first=bool(tiers) and tiers[0].tier == "local", shared=shared)
+    shared_error = rank == 0 and any(t != "local" for t in listing.failed)
+    plan = coord.reduce(restore_plan.offer(sorted(local), blocked, shared_error=shared_error), coord.main_lane,
+                        lambda offers: planner.plan(offers)[0], what="the step to restore", step=step)
     if "blocked" in plan:
         if blocked is not None:
             raise blocked
-        raise StorageError(f"rank(s) {plan['blocked']} could not list a tier that may hold the checkpoint; "
-                           "not restoring", step=step, path=", ".join(t.url for t in tiers), transient=True)
+        if plan["error"] is not None:
+            raise plan["error"]
+        raise StorageError(f"rank(s) {describe_ranks(plan['blocked'])} could not list a tier that may hold the "
+                           "checkpoint; not restoring", step=step, path=urls, transient=True)
     if "missing" in plan:
-        raise CheckpointNotFoundError(f"rank(s) {plan['missing']} find no committed copy of this step", step=step,
-                                      path=", ".join(t.url for t in tiers))
-    order: list[int] = plan["order"]
-    if step is None and not order and not plan["any"]:
+        raise CheckpointNotFoundError(f"rank(s) {describe_ranks(plan['missing'])} find no committed copy of this "
+                                      "step", step=step, path=urls)
+    decision = plan["next"]
+    if step is None and decision is None and not plan["any"]:
         return None
+    first = None if decision is None else decision["step"]
     errors: list[str] = []
     own_error: Exception | None = None
-    for s in order:
+    while decision is not None:
+        s, index = decision["step"], decision["index"]
         prepared = None
         outcome: tuple[str, str] = ("ok", "")
-        shared = _share_step_manifest(eng, tiers, s, plan["readers"].get(s, []))
-        for store in mine.get(s, []):
+        shared_manifest = _share_step_manifest(eng, tiers, decision, planner)
+        for store in my_tiers(tiers, decision, local):
             try:
-                if shared is not None and store is shared[0]:
-                    prepared = load(store, s, state, strict, shared[1])
+                if shared_manifest is not None and store is shared_manifest[0]:
+                    prepared = load(store, s, state, strict, shared_manifest[1])
                 else:
                     prepared = load(store, s, state, strict)
                 break
@@ -215,16 +248,18 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
                 outcome = ("mismatch", exc.detail)
                 break
             except CorruptCheckpointError as exc:
-                log.warning("restore: rank %d: step %d in tier %s is corrupt (%s); files: %s", coord.topology.rank, s,
+                log.warning("restore: rank %d: step %d in tier %s is corrupt (%s); files: %s", rank, s,
                             store.tier, exc, ", ".join(exc.bad_files) or "?")
-                outcome = ("corrupt", str(exc))
+                outcome = ("corrupt", str(exc)[:1024])
             except Exception as exc:  # a tier that cannot be read, a bug: every rank stops, none waits for this one
                 own_error = exc
-                outcome = ("storage" if isinstance(exc, StorageError) else "error", f"{type(exc).__name__}: {exc}")
+                outcome = ("storage" if isinstance(exc, StorageError) else "error",
+                           f"{type(exc).__name__}: {exc}"[:1024])
                 break
         if prepared is None and outcome[0] == "ok":
             outcome = ("corrupt", "no tier holds an intact copy")
-        verdict = coord.reduce(outcome if prepared is None else ("ok", ""), coord.main_lane, _loaded,
+        verdict = coord.reduce(outcome if prepared is None else ("ok", ""), coord.main_lane,
+                               lambda outcomes, i=index: planner.loaded(i, outcomes)[0],
                                what=f"loading step {s}", step=s)
         if verdict["kind"] in ("storage", "error"):
             if prepared is not None:
@@ -233,7 +268,7 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
                 raise own_error
             cls = StorageError if verdict["kind"] == "storage" else CheckpointError
             raise cls(f"rank {verdict['rank']} could not load this step ({verdict['message']}); no rank restores it",
-                      step=s, path=", ".join(t.url for t in tiers))
+                      step=s, path=urls)
         if verdict["kind"] == "mismatch":
             if prepared is not None:
                 prepared.release()
@@ -241,86 +276,61 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
         if verdict["kind"] == "ok":
             assert prepared is not None
             prepared.apply()
-            return s
+            return int(s)
         if prepared is not None:
             prepared.release()
         errors.append(f"step {s}: {verdict['message']}")
-        log.warning("restore: step %d is not intact for rank(s) %s; trying an older step", s, verdict["ranks"])
-    if step is None and not order:
-        raise CorruptCheckpointError("no step is committed for every rank (ranks hold different steps)",
-                                     path=", ".join(t.url for t in tiers))
+        log.warning("restore: step %d is not intact for rank(s) %s; trying an older step", s,
+                    describe_ranks(verdict["ranks"]))
+        decision = verdict["next"]
+    if step is None and first is None:
+        raise CorruptCheckpointError("no step is committed for every rank (ranks hold different steps)", path=urls)
     raise CorruptCheckpointError("no step is intact for every rank: " + " | ".join(errors),
-                                 step=order[0] if order else step, path=", ".join(t.url for t in tiers))
+                                 step=first if first is not None else step, path=urls)
 
 
-def _plan(step: int | None, offers: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """Rank 0's plan of a restore from every rank's offer: the ranks that could not list a tier, or those missing
-    the requested ``step``, or the steps every rank holds, newest first, with, per step, the ranks that read it
-    from the shared tier (to which rank 0 hands their entry of its manifest)."""
-    blocked = [r for r, o in enumerate(offers) if o is None]
-    if blocked:
-        return {"blocked": blocked}
-    held = [set(o["steps"]) for o in offers if o is not None]
-    common = set.intersection(*held)
-    if step is not None:
-        missing = [r for r, h in enumerate(held) if step not in h]
-        if missing:
-            return {"missing": missing}
-        order = [step]
-    else:
-        order = sorted(common, reverse=True)
-    readers: dict[int, list[int]] = {s: [] for s in order}
-    for r, o in enumerate(offers):
-        assert o is not None
-        for s in o["shared_first"]:
-            if s in readers:
-                readers[s].append(r)
-    return {"order": order, "readers": readers, "any": any(held)}
-
-
-def _loaded(outcomes: list[tuple[str, str]]) -> dict[str, Any]:
-    """Rank 0's verdict on one step's load from every rank's outcome: a rank that could not read a tier (or
-    failed otherwise) stops everyone; a state mismatch too; a corrupt copy anywhere moves everyone to an older
-    step; else every rank applies it."""
-    for kinds in (("storage", "error"), ("mismatch",)):
-        for r, (kind, msg) in enumerate(outcomes):
-            if kind in kinds:
-                return {"kind": kind, "rank": r, "message": msg}
-    bad = [(r, m) for r, (k, m) in enumerate(outcomes) if k != "ok"]
-    if not bad:
-        return {"kind": "ok"}
-    return {"kind": "corrupt", "ranks": [r for r, _ in bad], "message": _some(dict(bad))}
-
-
-def _share_step_manifest(eng: Engine, tiers: list[Store], step: int,
-                         readers: list[int]) -> tuple[Store, StepManifest] | None:
-    """Rank 0 reads the shared tier's ``manifest.json`` of ``step`` once and hands each rank in ``readers`` (those
-    that read their shard from that tier) the manifest cut down to the one rank manifest it needs, so that a
-    restart of W ranks from the remote reads W*117 bytes of rank list once, not once per rank (O(W^2) in all).
-    Returns this rank's (tier, manifest), or None: not a reader, or rank 0 could not read it (the rank then reads
-    the manifest itself and meets the same error, if any, on its own). A collective: every rank calls it for the
-    same steps."""
+def _share_step_manifest(eng: Engine, tiers: list[Store], decision: dict[str, Any],
+                         planner: RestorePlan) -> tuple[Store, StepManifest] | None:
+    """Where some rank reads the decided step from the remote first (``decision["share"]``), rank 0 reads the
+    remote's ``manifest.json`` of it once and hands each such rank the manifest cut down to the one rank manifest
+    it needs: the step's fields once, common to all, and one rank reference per reader, so that a restart of W
+    ranks from the remote reads the W-rank list once, not once per rank (O(W^2) in all), and no rank receives
+    more than its own reference. Returns this rank's (tier, manifest), or None: not a reader, or rank 0 could not
+    read it (the rank then reads the manifest itself and meets the same error, if any, on its own). A collective:
+    every rank calls it for the same decisions."""
     coord = eng.coord
     assert coord is not None
     remote = next((t for t in tiers if t.tier != "local"), None)
-    if remote is None or not readers:
+    if remote is None or not decision["share"]:
         return None
-    parts: list[Any] | None = None
+    step = decision["step"]
+    full: StepManifest | None = None
     if coord.topology.rank == 0:
-        parts = [None] * coord.topology.world_size
         try:
             full = read_step(remote, step)
-        except Exception as exc:  # never skip the scatter: the other ranks wait in it
+        except Exception as exc:  # never skip the agreement: the other ranks wait in it
             log.info("restore: step %d: rank 0 could not read %s's manifest for the other ranks: %s", step,
                      remote.tier, exc)
-        else:
-            refs = {ref.rank: ref for ref in full.ranks}
-            for r in readers:
-                ref = refs.get(r if r < full.world_size else 0)
-                if ref is not None:
-                    parts[r] = dataclasses.replace(full, ranks=(ref,))
-    mine = coord.scatter(parts, coord.main_lane, what=f"the manifest of step {step}")
-    return None if mine is None else (remote, mine)
+    common, own = coord.exchange(None, coord.main_lane, lambda inputs: _manifest_parts(full, planner, step,
+                                                                                        len(inputs)),
+                                 what=f"the manifest of step {step}", step=step)
+    if common is None or own is None:
+        return None
+    return remote, dataclasses.replace(common, ranks=(own,))
+
+
+def _manifest_parts(full: StepManifest | None, planner: RestorePlan, step: int, world: int) -> Split:
+    """Rank 0: the step's manifest with one rank reference (common), and each reader's own reference (a rank the
+    step was not saved with, in a resharding restart, gets rank 0's)."""
+    if full is None:
+        return Split(None, world_size=world)
+    refs = {ref.rank: ref for ref in full.ranks}
+    own = {}
+    for r in planner.readers(step):
+        ref = refs.get(r if r < full.world_size else 0)
+        if ref is not None:
+            own[r] = ref
+    return Split(dataclasses.replace(full, ranks=full.ranks[:1]), own, world_size=world)
 
 
 def recover_local(store: Store, coord: Coordinator | None) -> None:

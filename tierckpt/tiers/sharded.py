@@ -21,7 +21,8 @@ Remote tier (shared by all ranks), one attempt of one step (:func:`replicate_sha
    ``manifest.json`` last and tells every rank whether the step is committed.
 
 Steps 1-3 talk through a :class:`CommitChannel` (the job's c10d store), never through the remote: no rank polls
-storage for another's progress, and rank 0 reads no rank manifest back.
+storage for another's progress, and rank 0 reads no rank manifest back. Rank 0 reads the W-1 reports in batches
+(O(W / 512) requests, none per rank); each rank removes its own report once it has the result.
 
 A step folder without ``manifest.json`` is never a checkpoint, whatever shards it holds.
 """
@@ -175,6 +176,9 @@ class CommitChannel(Protocol):
         """The values posted under ``names`` once all are there, or those there when ``timeout_s`` ran out;
         ``readers``: how many ranks fetch each name (the last one removes it)."""
 
+    def withdraw(self, name: str) -> None:
+        """Remove this rank's message ``name``, fetched with ``readers=0`` (its reader is done with it)."""
+
 
 def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: int, *, channel: CommitChannel,
                      attempt: str, deadline_s: float | None, **opts: Any) -> bool:
@@ -225,20 +229,22 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
         if rank == 0:
             channel.post(f"{attempt}/result", {"ok": False, "error": f"rank 0: {exc}"})
         else:
-            channel.post(f"{attempt}/r{rank}", {"error": str(exc)})
+            channel.post(f"{attempt}/r{rank}", {"error": str(exc)[:4096]})
             result()  # in step with the others (and the message read by everyone)
+            channel.withdraw(f"{attempt}/r{rank}")
         raise
     if rank != 0:
         channel.post(f"{attempt}/r{rank}", {"ref": [ref.rank, ref.name, ref.size, ref.checksum],
                                              "mesh": [[k, list(c)] for k, c in ref.mesh], "sizes": sizes})
         outcome = result()
+        channel.withdraw(f"{attempt}/r{rank}")  # rank 0 read it, or gave up on it
         if not outcome["ok"]:
             raise failed(f"the step is not committed remotely: {outcome['error']}")
         return True
     try:
         final = _commit_reported(remote, manifest, ref, sizes, channel, attempt, deadline_s, retry)
     except Exception as exc:
-        channel.post(f"{attempt}/result", {"ok": False, "error": str(exc)})
+        channel.post(f"{attempt}/result", {"ok": False, "error": str(exc)[:4096]})  # read by every rank: bounded
         raise
     channel.post(f"{attempt}/result", {"ok": True})
     log.info("step %d, tier %s: committed %d ranks' shards at %s", step, remote.tier, len(final.ranks),
@@ -259,14 +265,16 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, sizes
     """Rank 0: every rank's reported reference, confirmed by one listing of the step folder, then the commit."""
     step, folder = manifest.step, layout.step_dir(manifest.step)
     names = [f"{attempt}/r{r}" for r in range(1, manifest.world_size)]
-    reports = channel.fetch(names, deadline_s, readers=1)
+    reports = channel.fetch(names, deadline_s, readers=0)  # read in batches; each rank removes its own
     missing = [r for r in range(1, manifest.world_size) if f"{attempt}/r{r}" not in reports]
     if missing:
-        raise UploadError(f"ranks {missing} did not upload their shards in time; the step is not committed remotely",
-                          step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+        more = f" and {len(missing) - 16} more" if len(missing) > 16 else ""
+        raise UploadError(f"ranks {missing[:16]}{more} did not upload their shards in time; the step is not committed "
+                          "remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
     errors = {int(n.rsplit("/r", 1)[1]): v["error"] for n, v in reports.items() if "error" in v}
     if errors:
-        raise UploadError("rank(s) " + ", ".join(f"{r} ({e})" for r, e in sorted(errors.items()))
+        more = f", and {len(errors) - 8} more" if len(errors) > 8 else ""
+        raise UploadError("rank(s) " + ", ".join(f"{r} ({e})" for r, e in sorted(errors.items())[:8]) + more
                           + " could not upload their shards; the step is not committed remotely",
                           step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
     refs = {0: ref0} | {r: _reported(reports[f"{attempt}/r{r}"]) for r in range(1, manifest.world_size)}
