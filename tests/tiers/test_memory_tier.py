@@ -248,3 +248,16 @@ def test_two_ranks_on_a_node_restore_each_from_its_own_memory_copy(tmp_path: Pat
     assert [f["step"] for f in found] == [2, 2] and all(f["equal"] for f in found)
     assert found[0]["from_memory"] == [2] and found[1]["from_memory"] == []
     assert not os.path.exists(memory.job_dir(str(tmp_path / "node")))  # close() on both ranks freed it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the slot is registered (pinned)")
+def test_pinned_slots_without_cuda_stay_pageable_and_work(tmp_path: Path, shm: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    with CheckpointManager(tmp_path / "ckpt", memory_tier=True, pin_memory=True) as mgr:
+        mgr.save(1, kill_state(1, 7, False))
+        mgr.wait()
+        state = empty_like_kill_state(False)
+        assert mgr.restore(state) == 1
+        tier = mgr.components.staging.memory
+        assert tier is not None and tier.restored == [1] and mgr.components.staging.slots[0].shared
+    assert "cudaHostRegister of slot 0 failed" in caplog.text

@@ -305,12 +305,17 @@ class StagingPool:
             return None
         buffer = torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
         if self.pin and size:
-            err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)
-            if int(err) != 0:
-                log.warning("tier memory: cudaHostRegister of slot %d failed (%s): its buffer stays pageable",
-                            slot.index, err)
-            else:
+            why: object
+            try:
+                why = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)
+                ok = int(why) == 0  # type: ignore[call-overload]  # a cudaError enum
+            except (RuntimeError, AssertionError, AttributeError, OSError, TypeError, ValueError) as exc:  # no CUDA
+                why, ok = exc, False
+            if ok:
                 slot._registered = buffer.data_ptr()
+            else:
+                log.warning("tier memory: cudaHostRegister of slot %d failed (%s): its buffer stays pageable",
+                            slot.index, why)
         slot.shared = True
         return buffer
 
