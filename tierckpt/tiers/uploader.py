@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .. import faults
@@ -179,14 +180,14 @@ def replicate_step(
                      manifest.total_bytes, url_of(remote, staging), f" with {compression}" if compression else "")
 
             shared = _remote_shares(ctx, remote, [rm for rm, _raw in ranks])
-            jobs = []
+            jobs: list[tuple[str, Callable[[], Any]]] = []
             for rm, _raw in ranks:
                 for i, rec in enumerate(rm.files):
                     rel = join(staging, rec.name)
                     there = shared.get((rec.in_step, rec.name, rec.checksum))
                     if there is not None:  # stored once: the remote's copy of the earlier step is referenced
                         there = dataclasses.replace(there, in_step=rec.in_step, cuts=rec.cuts)
-                        jobs.append((rel, lambda there=there: (there, 0, 0)))
+                        jobs.append((rel, partial(_nothing_sent, there)))
                         continue
                     jobs.append((rel, file_job(local, remote, ctx, rm, i, staging, rel, part_size, compression,
                                                 compression_level, verify)))
@@ -242,6 +243,11 @@ def replicate_step(
     log.info("step %d, tier %s: committed at %s: %d files, %d bytes read, %d written in %.2fs (%d retries)", step,
              remote.tier, url_of(remote, folder), n_files, bytes_read, bytes_written, seconds, ctx.retries)
     return ReplicationResult(step, bytes_read, bytes_written, seconds, n_files, ctx.retries, compression=compression)
+
+
+def _nothing_sent(rec: FileRecord) -> tuple[FileRecord, int, int]:
+    """The outcome of a file the remote holds already: its record there, nothing read, nothing written."""
+    return rec, 0, 0
 
 
 def _spans(ranks: list[tuple[RankManifest, bytes]]) -> list[tuple[tuple[RankManifest, bytes], int, int]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -297,7 +297,7 @@ def _write_incremental(store: Store, folder: str, snap: RankSnapshot, names: lis
         changed = [(i, d) for i, d, r in zip(f.leaves, digests[1:], refs) if r is None]
         places: list[tuple[int, FileRecord | None, int]] = [
             (i, r.file, r.offset) for i, r in zip(f.leaves, refs) if r is not None]
-        rec = None
+        own: FileRecord | None = None
         if changed:
             header = build_header([(leaves[i].name, leaves[i].dtype, leaves[i].shape, leaves[i].nbytes)
                                    for i, _d in changed], HEADER_METADATA)
@@ -310,9 +310,9 @@ def _write_incremental(store: Store, folder: str, snap: RankSnapshot, names: lis
                         w.write(f.data[start : min(start + WRITE_CHUNK, m.offset + m.nbytes)])
                     places.append((i, None, pos))
                     pos += m.nbytes
-            rec = FileRecord(name=names[k], size=pos, checksum=hashing.file_checksum(
+            own = FileRecord(name=names[k], size=pos, checksum=hashing.file_checksum(
                 [hashing.digest(header), *(d for _i, d in changed)]), data_start=len(header))
-        return _Done(rec, places, sums, True)
+        return _Done(own, places, sums, True)
 
     def straight(k: int) -> _Done:
         f = snap.files[k]
@@ -325,12 +325,12 @@ def _write_incremental(store: Store, folder: str, snap: RankSnapshot, names: lis
     with inc.lock:
         first = [inc.hash_first.get(f.part, True) for f in snap.files]
     hashed = {k: hash_executor.submit(_hash_file, f, leaves, snap) for k, f in enumerate(snap.files) if not first[k]}
-    jobs = [executor.submit(hash_first, k) if first[k]
+    jobs: list[Future[Any]] = [executor.submit(hash_first, k) if first[k]
             else executor.submit(_write_file, store, join(folder, names[k]), f, None)
             for k, f in enumerate(snap.files)]
     try:
         # the straight files' hashes are ready long before the disk is done: the manifest is built meanwhile
-        done = [jobs[k].result() if first[k] else straight(k) for k in range(len(snap.files))]
+        done: list[_Done] = [jobs[k].result() if first[k] else straight(k) for k in range(len(snap.files))]
         with _gc.paused():  # tens of thousands of small objects for a large manifest, none in cycles (gcpause)
             encoded = _encode_places(snap, names, done)
     finally:
