@@ -171,10 +171,12 @@ class Coordinator:
         self.persist_lane = Lane("persist", _connection(self._store))
         self.main_lane = Lane("main", _connection(self._store))
         me = (socket.gethostname(), os.path.realpath(local_dir))
-        run_id, node_ranks = self.exchange(me, self.main_lane, _nodes, what="start-up")
-        self.topology = Topology(self._rank, self._world, tuple(node_ranks), run_id)
+        common, own = self.exchange(me, self.main_lane, _nodes, what="start-up")
+        block = common["block"]
+        node_ranks = own if block is None else range(rank // block * block, rank // block * block + block)
+        self.topology = Topology(self._rank, self._world, tuple(node_ranks), common["run"])
         log.info("rank %d of %d: local folder shared with ranks %s; run %s", self._rank, self._world, list(node_ranks),
-                 run_id)
+                 self.topology.run_id)
 
     # --------------------------------------------------------------------------------------------- agreements
     def exchange(self, obj: Any, lane: Lane, answer: Callable[[list[Any]], Sequence[Any]], *, what: str,
@@ -397,13 +399,20 @@ def _some_ranks(ranks: list[int], shown: int = 16) -> str:
 
 
 def _nodes(everyone: list[tuple[str, str]]) -> Split:
-    """Start-up, on rank 0: the run's id (common) and each rank's node (the ranks with its host and folder)."""
+    """Start-up, on rank 0: the run's id and each rank's node (the ranks with its host and folder). Where every
+    node is a block of ``k`` consecutive ranks (the usual launch), the common answer says so and no rank gets an
+    answer of its own; otherwise each rank gets its node's ranks as its own."""
     run_id = secrets.token_hex(8)
     nodes: dict[tuple[str, str], list[int]] = {}
     for r, where in enumerate(everyone):
         nodes.setdefault(tuple(where), []).append(r)  # type: ignore[arg-type]
-    return Split(run_id, {r: nodes[tuple(where)] for r, where in enumerate(everyone)},  # type: ignore[index]
-                 world_size=len(everyone))
+    world, size = len(everyone), len(nodes[tuple(everyone[0])])  # type: ignore[index]
+    if world % size == 0 and all(ranks == list(range(ranks[0], ranks[0] + size)) and ranks[0] % size == 0
+                                 for ranks in nodes.values()):
+        return Split({"run": run_id, "block": size}, world_size=world)
+    return Split({"run": run_id, "block": None},
+                 {r: nodes[tuple(where)] for r, where in enumerate(everyone)},  # type: ignore[index]
+                 world_size=world)
 
 
 class StoreChannel:

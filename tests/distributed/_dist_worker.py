@@ -542,10 +542,95 @@ def scenario_count2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
     dist.barrier()
 
 
+def scenario_traffic(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """Every rank its own node, a POSIX remote, ``keep_local=1``: ``cfg["steps"]`` saves, a restart with every
+    local tier intact, then one with the last rank's node wiped. Each rank's store traffic is counted (requests
+    and bytes it sent and received), apart for the agreements and for the upload messages, around the last save
+    and each restart; and the keys the store holds after each."""
+    from tierckpt import CheckpointManager
+    from tierckpt import distributed as tdist
+    from tierckpt.store_client import StoreTraffic, Traffic
+
+    root = Path(cfg["root"])
+    T = cfg["timeout"]
+    node, remote = root / f"n{rank}", root / "remote"
+    agree, role, upload = Traffic(), Traffic(), Traffic()
+    shared = ("/answer", "/read", "/arrived", "/all")
+
+    class Counted(StoreTraffic):
+        """The agreements' keys are tierckpt/m<n>/..., the upload messages' the others; the removal of an
+        agreement's shared keys by its last reader (and the key its last arrival sets) count apart, as "role":
+        which rank does it varies from run to run."""
+
+        def _count(self, op: str, sent: int, received: int) -> None:
+            key = self._key
+            if not key.startswith("tierckpt/m"):
+                self.traffic = upload
+            elif (op == "delete" and key.endswith(shared)) or (op == "set" and key.endswith("/all")):
+                self.traffic = role
+            else:
+                self.traffic = agree
+            super()._count(op, sent, received)
+
+        def __getattribute__(self, name: str) -> Any:
+            if name in ("set", "get", "add", "delete_key", "check", "wait", "multi_get", "multi_set"):
+                method = object.__getattribute__(self, name)
+
+                def keyed(first: Any, *args: Any) -> Any:
+                    self._key = first if isinstance(first, str) else (first[0] if first else "")
+                    return method(first, *args)
+
+                return keyed
+            return object.__getattribute__(self, name)
+
+        def clone(self) -> StoreTraffic:
+            return Counted(self.inner.clone(), self.traffic)
+
+    real = tdist._default_store()
+    counted = Counted(real)
+    tdist._default_store = lambda: counted  # type: ignore[assignment]
+
+    def snap() -> dict[str, Any]:
+        return {"agree": agree.snapshot(), "role": role.snapshot(), "upload": upload.snapshot()}
+
+    def delta(before: dict[str, Any]) -> dict[str, Any]:
+        after = snap()
+        return {k: {f: after[k][f] - before[k][f] for f in ("requests", "sent", "received")} for k in after}
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        mgr = CheckpointManager(node, remote=remote, keep_local=1, collective_timeout_s=T)
+        for s in range(1, cfg["steps"]):
+            mgr.save(s, make_state(rank, s))
+            mgr.wait()
+        dist.barrier()
+        before = snap()
+        mgr.save(cfg["steps"], make_state(rank, cfg["steps"]))
+        mgr.wait()
+        out["save"] = delta(before)
+        mgr.close()
+        dist.barrier()
+        out["keys_after_save"] = real.num_keys()
+        for name in ("restart", "wiped"):
+            if name == "wiped" and rank == world - 1:
+                shutil.rmtree(node)
+            dist.barrier()
+            before = snap()
+            with CheckpointManager(node, remote=remote, keep_local=1, collective_timeout_s=T) as mgr:
+                out[f"{name}_restore"] = restore_into_empty(mgr, rank)
+                out[name] = delta(before)
+            dist.barrier()
+            out[f"keys_after_{name}"] = real.num_keys()
+        return out
+
+    rec.phase("traffic", run)
+    dist.barrier()
+
+
 SCENARIOS = {
     "posix2": scenario_posix2, "world4": scenario_world4, "s3": scenario_s3, "kill1": scenario_kill1,
     "kill2": scenario_kill2, "outage2": scenario_outage2, "count2": scenario_count2,
-    "rcommit1": scenario_rcommit1, "rcommit2": scenario_rcommit2,
+    "rcommit1": scenario_rcommit1, "rcommit2": scenario_rcommit2, "traffic": scenario_traffic,
 }
 
 

@@ -72,8 +72,9 @@ def test_rank0_reads_inputs_and_writes_own_answers_in_bounded_requests(monkeypat
     results, store, traffic = run_ranks(world, body)
     assert results == [big + str(r) for r in range(world)]
     assert max(t.largest for t in traffic) <= BATCH_BYTES + 4096
-    # 47 inputs read in batches of 16 keys (start-up and the echo), 141 KB of answers set in 64 KiB batches
-    assert traffic[0].by_op["multi_get"] == 2 * 3 and traffic[0].by_op["multi_set"] >= 3 + 3
+    # 47 inputs read in batches of 16 keys (start-up and the echo), 141 KB of answers set in 64 KiB batches (the
+    # start-up sets none: every node is a block of 4 consecutive ranks, which the common answer says)
+    assert traffic[0].by_op["multi_get"] == 2 * 3 and traffic[0].by_op["multi_set"] >= 3
     assert store.num_keys() == world
 
 

@@ -396,3 +396,36 @@ def test_rank0_killed_mid_remote_commit_no_rank_treats_the_step_as_committed(tmp
         out = second.phase(r, "restart")
         assert out["remote_at_start"] == [1] and out["wait_error"] is None and out["remote"] == [1, 2], out
         assert out["restore"]["restored"] == 2 and out["restore"]["state"] == expected(r, 2), out
+
+
+# ------------------------------------------------------------------------------------------------ store traffic
+def test_store_traffic_per_rank_is_constant_in_the_world_size_and_the_remote_steps(tmp_path: Path) -> None:
+    """Real jobs, every rank's c10d store traffic counted: what each rank sends and receives for one save, a
+    restart with every node intact and one with a node wiped (its ranks read from the remote) is the same at 2
+    and 4 ranks, and with 2 or 8 steps on the remote (``keep_local=1``: all but one are remote-only). Every
+    agreement's keys are gone once it is over."""
+    got = {}
+    for world, steps in ((2, 2), (4, 2), (2, 8)):
+        run = launch("traffic", world, tmp_path / f"w{world}s{steps}", extra={"steps": steps}, timeout=150)
+        recs = run.phases("traffic")
+        for rank, rec in enumerate(recs):
+            assert rec["restart_restore"]["restored"] == steps and rec["wiped_restore"]["restored"] == steps, rec
+            wiped_loads = rec["wiped_restore"]["loads"]
+            assert wiped_loads == [["remote" if rank == world - 1 else "local", steps]], wiped_loads
+        # no agreement leaves a key: the same keys after the restarts as after the save (upload messages are
+        # removed by their last reader as well)
+        assert recs[0]["keys_after_restart"] == recs[0]["keys_after_wiped"] == recs[0]["keys_after_save"], recs[0]
+        # the last rank (not rank 0; its node is the one wiped) stands for every rank of its role
+        got[(world, steps)] = {phase: recs[-1][phase] for phase in ("save", "restart", "wiped")}
+    for phase in ("save", "restart", "wiped"):
+        agree = {k: v[phase]["agree"]["sent"] + v[phase]["agree"]["received"] for k, v in got.items()}
+        requests = {k: v[phase]["agree"]["requests"] for k, v in got.items()}
+        # a few more digits in a step number or a node's rank list: nothing that grows with W or the steps
+        assert max(agree.values()) - min(agree.values()) <= 48, (phase, agree)
+        assert max(requests.values()) - min(requests.values()) <= 2, (phase, requests)
+        # the last rank to arrive sets one key, the last to read removes four: at most five requests an agreement
+        agreements = {"save": 2, "restart": 5, "wiped": 6}[phase]
+        assert all(v[phase]["role"]["requests"] <= 5 * agreements for v in got.values()), got
+        upload = {k: v[phase]["upload"]["sent"] + v[phase]["upload"]["received"] for k, v in got.items()}
+        # the replicator's start-up decision names the remote's steps: a few bytes per step, once per start
+        assert max(upload.values()) - min(upload.values()) <= 240, (phase, upload)
