@@ -148,8 +148,14 @@ class Incremental:
 
     def committed(self, rm: RankManifest, full: bool) -> None:
         """Step ``rm.step`` committed (``full``: with no references): it is the next save's baseline."""
+        try:
+            baseline: Baseline | None = Baseline.of(rm)
+        except Exception as exc:  # the step is committed either way: the next save is then written whole
+            log.warning("step %d: not a baseline for incremental saves: %s", rm.step, exc)
+            baseline = None
         with self.lock:
-            self.baseline = Baseline.of(rm)
+            self.baseline = baseline
+            self.looked = True
             self.since_full = 0 if full else self.since_full + 1
 
 

@@ -272,8 +272,8 @@ def _remote_shares(ctx: Transfer, remote: Store,
                 wanted.setdefault(f.in_step, set()).add((f.name, f.checksum))
     out: dict[tuple[int | None, str, str], FileRecord] = {}
     for s, names in sorted(wanted.items()):
-        try:  # outside the transfer's jobs: a step the remote lacks is an answer, not a failed transfer
-            found = read_manifests(remote, s)
+        try:  # retried, but not a job of the transfer: a step the remote lacks is an answer, not a failure
+            found = ctx.call(partial(read_manifests, remote, s), "read manifests of", layout.step_dir(s))
         except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
             log.info("step %d, tier %s: referenced step %d not usable there (%s): its files are carried over",
                      ctx.step, remote.tier, s, exc)

@@ -236,8 +236,6 @@ def persist(store: Store, snap: RankSnapshot, executor: Executor,
             faults.point("before-rename")
             protocol.commit(store, folder, step)
             faults.point("after-rename")
-        if incremental is not None:
-            incremental.committed(rank_manifest, full=not refs)
     except BaseException as exc:
         try:
             protocol.abort(store, folder, step)
@@ -249,10 +247,12 @@ def persist(store: Store, snap: RankSnapshot, executor: Executor,
             raise StorageError(f"writing the checkpoint failed: {exc}", step=step, tier=store.tier,
                                path=getattr(exc, "filename", None) or f"{store.url}/{folder}") from exc
         raise
+    if incremental is not None:  # the next save's baseline
+        incremental.committed(rank_manifest, full=not refs)
     seconds = time.perf_counter() - t0
-    log.info("tier %s: committed step %d (%.1f MiB, %.1f MiB of them in steps %s) at %s/%s in %.3f s", store.tier,
-             step, rank_manifest.total_bytes / 2**20, shared / 2**20, list(refs), store.url, layout.step_dir(step),
-             seconds)
+    where = f" ({shared / 2**20:.1f} MiB of them referenced in steps {list(refs)})" if refs else ""
+    log.info("tier %s: committed step %d (%.1f MiB%s) at %s/%s in %.3f s", store.tier, step,
+             rank_manifest.total_bytes / 2**20, where, store.url, layout.step_dir(step), seconds)
     return PersistResult(manifest, rank_manifest, seconds)
 
 
