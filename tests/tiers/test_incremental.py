@@ -300,3 +300,55 @@ def test_full_every_needs_incremental(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "b", incremental=True, full_every=0)
     with pytest.raises(ValueError, match="incremental"):
         CheckpointManager(tmp_path / "c", incremental=1)
+
+
+def test_a_step_a_save_is_about_to_reference_is_not_deleted(tmp_path: Path) -> None:
+    """The pin a save takes on its baseline's steps holds them against retention until its manifest names them."""
+    from tierckpt.tiers.incremental import pins
+
+    with CheckpointManager(tmp_path / "local", keep_local=10, log_records=False) as mgr:
+        mgr.save(1, lora_state(1))
+        mgr.save(2, lora_state(2))
+        mgr.wait()
+        with pins(mgr.local, (1,)):
+            assert not delete_step(mgr.local, 1)
+        assert sorted(list_root(mgr.local).steps) == [1, 2]
+        assert delete_step(mgr.local, 1), "unpinned and unreferenced: deleted"
+        assert sorted(list_root(mgr.local).steps) == [2]
+
+
+def test_files_where_nothing_is_skipped_are_written_while_hashed(tmp_path: Path) -> None:
+    """Everything changes (pretraining): after one save that hashes first, the files are written as in a full save;
+    a file whose tensors stop changing is skipped again from the save after the one that notices it."""
+    state = lora_state(1)
+    with CheckpointManager(tmp_path / "local", incremental=True, keep_local=10, log_records=False) as mgr:
+        inc = mgr.components.engine.incremental
+        assert inc is not None
+        for step in (1, 2, 3):
+            for v in [*state["model"].values(), *state["optim"].values()]:
+                v.add_(1.0)
+            mgr.save(step, state)
+            mgr.wait()
+        assert inc.hash_first and not any(inc.hash_first.values()), inc.hash_first
+        assert manifests(mgr.local, 3)[0].refs == ()
+        mgr.save(4, state)  # nothing changed: written whole once more, noticed
+        mgr.wait()
+        assert manifests(mgr.local, 4)[0].refs == () and all(inc.hash_first.values())
+        mgr.save(5, state)
+        mgr.wait()
+        assert manifests(mgr.local, 5)[0].refs == (4,)
+        got = empty_like(state)
+        assert mgr.restore(got) == 5
+        assert_tree_equal(got, state, "step 5")
+
+
+def test_a_restarted_job_references_the_steps_it_finds(tmp_path: Path) -> None:
+    root = tmp_path / "local"
+    with CheckpointManager(root, incremental=True, log_records=False) as mgr:
+        mgr.save(1, lora_state(1))
+    with CheckpointManager(root, incremental=True, log_records=False) as mgr:
+        state = empty_like(lora_state(1))
+        assert mgr.restore(state) == 1
+        mgr.save(2, lora_state(2))
+        mgr.wait()
+        assert manifests(mgr.local, 2)[0].refs == (1,)
