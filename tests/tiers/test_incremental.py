@@ -255,6 +255,10 @@ def test_prune_deletes_a_referencing_step_before_the_step_it_references(tmp_path
         for step in range(1, 5):  # 1 whole, 2 -> 1, 3 whole, 4 -> 3
             mgr.save(step, lora_state(step))
         mgr.wait()
+    rc, doc = cli_json("prune", str(root), "--keep", "2", "--dry-run", capsys=capsys)
+    assert rc == 0 and doc["would_delete"] == [1, 2], doc  # steps 3, 4 kept; 3 holds nothing of 1 or 2
+    rc, doc = cli_json("prune", str(root), "--keep", "1", "--dry-run", capsys=capsys)
+    assert rc == 0 and doc["would_delete"] == [1, 2], f"step 4 (kept) references step 3: {doc}"
     rc, doc = cli_json("prune", str(root), "--keep", "1", capsys=capsys)
     assert rc == 0 and doc["deleted"] == [1, 2] and doc["kept"] == [3, 4], doc
     assert sorted(list_root(LocalStore(root)).steps) == [3, 4]

@@ -238,7 +238,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step, and the
     newest intact step (see the module docstring)."""
     from ..retention import KeepPolicy
-    from ..tiers.steps import delete_step
+    from ..tiers.steps import delete_step, holder
 
     for name in ("keep", "keep_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -296,11 +296,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
         kept = [s for s in steps if s not in doomed]
         deleted: list[int] = []
         # newest first: an incremental step goes before the steps it references, which are then free to go
-        for step in (doomed if args.dry_run else sorted(doomed, reverse=True)):
+        would: set[int] = set()
+        for step in sorted(doomed, reverse=True):
             where = url_of(store, layout.step_dir(step))
             if args.dry_run:
-                if not args.json:
-                    print(f"would delete step {step} ({where})")
+                if holder(store, step, frozenset(would)) is None:
+                    would.add(step)
+                    if not args.json:
+                        print(f"would delete step {step} ({where})")
+                elif not args.json:
+                    print(f"would keep step {step}: a step kept references its bytes")
                 continue
             try:
                 gone = delete_step(store, step)
@@ -328,11 +333,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                                "kept_leftovers": young, "newest_intact": protected if args.verify else None,
                                "verified": [report_json(args, r) for r in reports]}
         if args.dry_run:
-            doc["would_delete"] = doomed
+            doc["would_delete"] = sorted(would)
         print(json.dumps(doc))
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} {len(doomed) if args.dry_run else len(deleted)} step(s)"
+        print(f"{verb} {len(would) if args.dry_run else len(deleted)} step(s)"
               + (" (no --keep)" if args.keep is None else "") + f"; keeping {kept}")
     return exit_for(failures)
 

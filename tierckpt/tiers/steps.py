@@ -46,15 +46,16 @@ def set_aside(store: Store, step: int) -> None:
     faults.point("rollback")
 
 
-def holder(store: Store, step: int) -> int | None:
+def holder(store: Store, step: int, gone: frozenset[int] = frozenset()) -> int | None:
     """A step that keeps ``step`` of ``store`` from being deleted: a committed later step whose manifest references
     it (an incremental step), or ``step`` itself while a save in this process is about to reference it; None when
     nothing holds it. A later step whose ``manifest.json`` cannot be read holds it too: its references are unknown,
-    and keeping bytes is the safe side. Call under :data:`.incremental.LOCK`."""
+    and keeping bytes is the safe side. ``gone``: steps to treat as deleted already (a dry run's plan). Call under
+    :data:`.incremental.LOCK`."""
     if pinned(store, step):
         return step
-    later = sorted((s for s in (layout.parse_step_dir(n) for n in store.list("")) if s is not None and s > step),
-                   reverse=True)
+    later = sorted((s for s in (layout.parse_step_dir(n) for n in store.list(""))
+                    if s is not None and s > step and s not in gone), reverse=True)
     for s in later:
         try:
             m = read_step_manifest(store, layout.step_dir(s), s)
