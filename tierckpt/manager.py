@@ -54,6 +54,7 @@ from .options import (
     check_metadata,
     check_storage_options,
 )
+from .peers import Peers
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .replication import Health, ReplicationPolicy, Replicator
 from .snapshot import staging
@@ -125,6 +126,7 @@ class CheckpointManager:
         incremental: bool = Options.incremental,
         full_every: int | None = Options.full_every,
         collective_timeout_s: float = Options.collective_timeout_s,
+        peer_replicas: int = Options.peer_replicas,
         remote_timeout_s: float = Options.remote_timeout_s,
         max_upload_backlog: int = Options.max_upload_backlog,
         create_bucket: bool = Options.create_bucket,
@@ -181,6 +183,7 @@ class CheckpointManager:
             if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what all still have
                 local_steps = self._coord.reduce(local_steps, self._coord.main_lane, _common_steps,
                                                  what="the steps every rank holds")
+            self._peers = self._start_peers()
         except BaseException:
             self._unlock()
             raise
@@ -194,6 +197,7 @@ class CheckpointManager:
                                                        memory=_memory.open_tier(self.local.root, self.rank)
                                                        if self.options.memory_tier else None))
         self._engine.identity = run
+        self._engine.peers = self._peers
         self._log = SaveLog(hooks, log_to=self.local.root if self.options.log_records else None)
         self._errors = BackgroundErrors()
         self._pipeline = SavePipeline(self._engine, track=self._track, background_error=self._errors.add,
@@ -210,6 +214,18 @@ class CheckpointManager:
         self._channel = None  # a multi-rank job's messages between the replicators (the c10d store)
         if self.remote is not None:
             self._start_replication(local_steps)
+
+    def _start_peers(self) -> Peers | None:
+        """The peer copies of a multi-node job (``peer_replicas``), or None. Raises ValueError in a single-rank
+        job, CheckpointError on every rank where the job has too few nodes."""
+        copies = self.options.peer_replicas
+        if not copies:
+            return None
+        if self._coord is None:
+            raise ValueError(f"peer_replicas={copies} needs a multi-rank job on several nodes (world_size > 1); "
+                             "a single process has no partner node to copy to")
+        return Peers(self.local, self._coord, copies, keep=self.options.keep_local,
+                     timeout_s=self.options.remote_timeout_s)
 
     def _start_replication(self, resume: list[int]) -> None:
         """Build and start the replication component for ``self.remote``; ``resume``: committed local steps."""
@@ -311,6 +327,9 @@ class CheckpointManager:
     def _committed(self, handle: SaveHandle) -> None:
         """The pipeline committed ``handle``'s step locally: replicate it, or (local only) resolve and retain."""
         self._slow.observe(handle.step, handle._record.persist_s, handle._record.bytes, "local")
+        copying = self._peers.committed(handle.step) if self._peers is not None else None
+        if copying is not None:  # wait() covers the peer copy too; its failures are logged, never raised
+            self._track(copying)
         if self._replicator is None:
             handle.uploaded.set_result(None)
             self._log.write(handle)
@@ -589,6 +608,8 @@ class CheckpointManager:
             if self._replicator is not None:  # idle by now, unless a listing of a silent remote is in flight
                 self._replicator.close(timeout if timeout is not None else self.options.remote_timeout_s)
             self._pipeline.close()
+            if self._peers is not None:
+                self._peers.close()
             self._io.shutdown(wait=True)
             self._hash.shutdown(wait=True)
             self._engine.pool.close()

@@ -99,6 +99,10 @@ class DistributedOptions:
 
     #: how long a rank waits for the others to reach an agreement (a commit, a restore) before failing it
     collective_timeout_s: float = 600.0
+    #: copy each node's committed local step to this many partner nodes (the next ones in a ring of the nodes), kept
+    #: there as that node's replica, so that a job that lost a node restores its newest local step (0: off; 1 or 2;
+    #: needs at least ``peer_replicas + 1`` nodes; docs/distributed.md, "Peer copies")
+    peer_replicas: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,8 @@ class Options(Heuristics, DistributedOptions, RemoteTierOptions, LocalTierOption
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{name} must be a positive number or None, got {v!r}")
+        if type(self.peer_replicas) is not int or not 0 <= self.peer_replicas <= 2:
+            raise ValueError(f"peer_replicas must be 0 (off), 1 or 2, got {self.peer_replicas!r}")
         if self.remote_compression not in (None, "zstd"):
             raise ValueError(f"remote_compression must be None or 'zstd', got {self.remote_compression!r}")
         for name in ("verify_uploads", "cache_remote_restores", "log_records", "lazy_snapshot", "direct_io",

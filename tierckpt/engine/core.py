@@ -48,6 +48,8 @@ class Engine:
         self.pool, self.huge = pool, huge
         self.coord = coord
         self.bounce: BounceBuffers | None = None
+        #: the peer copies of a multi-node job (:class:`tierckpt.peers.Peers`, ``peer_replicas``), else None
+        self.peers: Any = None
         #: the run this manager's checkpoints belong to (:mod:`tierckpt.tiers.identity`); set by the manager
         self.identity: RunIdentity | None = None
         #: a restore read a step from the remote: this job continues the remote's run (its identity is adopted)

@@ -8,6 +8,12 @@ holds it, and whether any rank must read it from there. Each rank derives its ow
 node-local tier if it holds the step, then the remote if the decision says the remote holds it), so no answer names
 ranks per step: a restart with W ranks and N remote-only steps sends each rank O(1) bytes, not O(N x W).
 
+With peer copies (``peer_replicas``), a rank also offers its node's number and, on a node's leader, the steps its
+node holds as replicas for its source nodes (at most ``keep_local`` each, ``keep_local x peer_replicas`` in all):
+rank 0 counts a step available to a rank if its node holds it or a partner of its node (one of the ``copies``
+nodes after it in the ring) holds it as that node's replica. The answer stays the same O(1) decision; the rank
+tries its partners itself (:func:`my_tiers`).
+
 When the step's copy is corrupt for some rank, rank 0's verdict on the load carries the next decision (the next
 older step), again O(1). Nothing here does I/O; :func:`tierckpt.engine.sharded.restore` runs the agreements.
 """
@@ -48,8 +54,11 @@ class RestorePlan:
     steps. ``step``: the step asked for (None: the newest); ``local_first``: whether the node-local tier is read
     before the remote (the tiers' order); ``shared``: the remote's committed steps (rank 0's listing)."""
 
-    def __init__(self, step: int | None, *, local_first: bool, shared: set[int] | None = None) -> None:
+    def __init__(self, step: int | None, *, local_first: bool, shared: set[int] | None = None,
+                 ring: tuple[int, int] | None = None) -> None:
         self.step, self.local_first, self.shared = step, local_first, set(shared or ())
+        #: with peer copies: (the number of nodes, the partners each node copies to)
+        self.ring = ring
         self.order: list[int] = []
         self.local: list[set[int]] = []
 
@@ -64,6 +73,8 @@ class RestorePlan:
             out: dict[str, Any] = {"blocked": _listed(blocked), "error": offers[0].get("error")}
             return [out] * world
         self.local = [set(o["local"]) for o in offers]
+        if self.ring is not None:
+            self.local = self._with_replicas(offers)
         if self.step is not None:
             missing = [r for r, h in enumerate(self.local) if self.step not in h and self.step not in self.shared]
             if missing:
@@ -74,6 +85,18 @@ class RestorePlan:
             self.order = sorted(self.shared | everywhere, reverse=True)
         answer = {"any": bool(self.shared) or any(self.local), "next": self.decision(0)}
         return [answer] * world
+
+    def _with_replicas(self, offers: Sequence[dict[str, Any]]) -> list[set[int]]:
+        """Each rank's steps with those a partner of its node holds as that node's replica (a replica offered by
+        a node that is not a partner in this job's ring is not counted: the rank would not ask it)."""
+        nodes, copies = self.ring or (1, 0)
+        held: dict[int, set[int]] = {}
+        for o in offers:
+            holder = o.get("node")
+            for node, steps in o.get("replicas") or ():
+                if holder in {(node + i) % nodes for i in range(1, copies + 1)}:
+                    held.setdefault(node, set()).update(steps)
+        return [mine | held.get(o.get("node"), set()) for mine, o in zip(self.local, offers)]
 
     def decision(self, index: int) -> dict[str, Any] | None:
         """The ``index``-th step to try, for every rank: the step, whether the remote holds it, and whether some
@@ -110,8 +133,16 @@ class RestorePlan:
         return [verdict] * world
 
 
-def my_tiers(tiers: Sequence[Any], decision: dict[str, Any], local: set[int]) -> list[Any]:
+def my_tiers(tiers: Sequence[Any], decision: dict[str, Any], local: set[int], peer: Any = None) -> list[Any]:
     """The tiers this rank tries for the decided step, in the tiers' order: its node-local tier if that holds the
-    step for its shard, the remote if the decision says the remote holds it."""
+    step for its shard, then ``peer`` (its node's partners, with peer copies), the remote if the decision says the
+    remote holds it."""
     s = decision["step"]
-    return [t for t in tiers if (t.tier == "local" and s in local) or (t.tier != "local" and decision["remote"])]
+    out = []
+    for t in tiers:
+        if t.tier == "local":
+            out += [t] if s in local else []
+            out += [peer] if peer is not None else []
+        elif decision["remote"]:
+            out.append(t)
+    return out

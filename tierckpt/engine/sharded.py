@@ -212,9 +212,14 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
         blocked = exc
     local = local_steps(eng, tiers, listing) if blocked is None else set()
     shared = {s for t in tiers if t.tier != "local" for s in listing.steps.get(t.tier, ())}
-    planner = RestorePlan(step, local_first=bool(tiers) and tiers[0].tier == "local", shared=shared)
+    peers = eng.peers if any(t.tier == "local" for t in tiers) else None  # a replaced node's shards, on partners
+    planner = RestorePlan(step, local_first=bool(tiers) and tiers[0].tier == "local", shared=shared,
+                          ring=None if peers is None else (peers.ring.nodes, peers.ring.copies))
     shared_error = rank == 0 and any(t != "local" for t in listing.failed)
-    plan = coord.reduce(restore_plan.offer(sorted(local), blocked, shared_error=shared_error), coord.main_lane,
+    mine = restore_plan.offer(sorted(local), blocked, shared_error=shared_error)
+    if peers is not None and blocked is None:
+        mine |= peers.offer()
+    plan = coord.reduce(mine, coord.main_lane,
                         lambda offers: planner.plan(offers)[0], what="the step to restore", step=step)
     if "blocked" in plan:
         if blocked is not None:
@@ -237,8 +242,10 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
         prepared = None
         outcome: tuple[str, str] = ("ok", "")
         shared_manifest = _share_step_manifest(eng, tiers, decision, planner)
-        for store in my_tiers(tiers, decision, local):
+        for store in my_tiers(tiers, decision, local, peers):
             try:
+                if store is peers:  # fetched from a partner, verified on receipt; read and verified as any copy
+                    store = peers.fetch(s)
                 if shared_manifest is not None and store is shared_manifest[0]:
                     prepared = load(store, s, state, strict, shared_manifest[1])
                 else:

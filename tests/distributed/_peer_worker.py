@@ -1,0 +1,89 @@
+"""One rank of a peer-copies job for tests/distributed/test_peers.py (``python _peer_worker.py JOB RANK CONFIG``).
+
+Two "nodes" of ``world // 2`` ranks each: the first half of the ranks share the folder ``<root>/A``, the second
+half ``<root>/B``. Job ``save`` saves ``cfg["steps"]`` with ``peer_replicas=1`` (and the remote of
+``cfg["remote"]``, if any), waits for every copy and closes; job ``restore`` restores into an empty state and
+records the step, the state and where this rank's shard came from. Ranks meet only through ``dist.barrier()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed._dist_worker import LOADS, Recorder, empty_state, err, make_state, spy_on_loads, summarize
+
+
+def node_root(root: Path, rank: int, world: int) -> Path:
+    return root / ("A" if rank < world // 2 else "B")
+
+
+def manager(rank: int, world: int, cfg: dict[str, Any]) -> Any:
+    from tierckpt import CheckpointManager
+
+    return CheckpointManager(node_root(Path(cfg["root"]), rank, world), remote=cfg.get("remote"), keep_local=2,
+                             peer_replicas=1, collective_timeout_s=cfg["timeout"], remote_timeout_s=5,
+                             upload_deadline_s=10, **cfg.get("options", {}))
+
+
+def job_save(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    def run() -> dict[str, Any]:
+        mgr = manager(rank, world, cfg)
+        out: dict[str, Any] = {"persisted": []}
+        try:
+            for s in cfg["steps"]:
+                out["persisted"].append(mgr.save(s, make_state(rank, s)).persisted.result(timeout=60) is not None)
+            try:
+                mgr.wait(timeout=60)
+            except Exception as exc:  # an unreachable remote: the peer copies do not depend on it
+                out["wait_error"] = err(exc)
+            peers = mgr.components.engine.peers
+            out |= {"failures": peers.failures, "pushed": peers.pushed, "node": peers.ring.node}
+            dist.barrier()  # every node's copies are in before any server stops
+        finally:
+            mgr.close(raise_upload_errors=False)
+        return out
+
+    rec.phase("save", run)
+    dist.barrier()
+
+
+def job_restore(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    def run() -> dict[str, Any]:
+        state = empty_state(rank)
+        LOADS.clear()
+        with manager(rank, world, cfg) as mgr:
+            step = mgr.restore(state)
+        fetched = node_root(Path(cfg["root"]), rank, world) / "replicas" / f".fetch-r{rank:05d}"
+        return {"step": step, "state": summarize(state), "loads": list(LOADS),
+                "fetched": sorted(p.name for p in fetched.iterdir()) if fetched.is_dir() else []}
+
+    rec.phase("restore", run)
+    dist.barrier()
+
+
+JOBS = {"save": job_save, "restore": job_restore}
+
+
+def main() -> None:
+    job, rank, cfg_path = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    cfg = json.loads(cfg_path.read_text())
+    world = cfg["world"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=cfg["store"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg["timeout"] * 3))
+    spy_on_loads()
+    rec = Recorder(Path(cfg["root"]) / f"result-{cfg['name']}-r{rank}.json")
+    JOBS[job](rank, world, cfg, rec)
+    rec.put("done", True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

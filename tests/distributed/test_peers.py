@@ -1,0 +1,105 @@
+"""Peer copies (``peer_replicas=1``) with real ranks: 2 nodes x 2 ranks on gloo, each node its own local folder.
+
+A job saves with no remote, node B's folder is wiped, and the restarted job restores the
+newest step from A's replica of B, bit for bit; with B's copy and A's replica of it both corrupted, B's rank reads
+the step from the remote. The transfer itself (a replica killed mid-transfer, a checksum that differs, a foreign
+request) is tested in-process in tests/tiers/test_peer_channel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
+from tests.distributed._dist_worker import make_state, summarize
+
+pytestmark = [pytest.mark.timeout(240)]
+
+WORKER = Path(__file__).resolve().parent / "_peer_worker.py"
+WORLD = 4
+
+
+def launch(job: str, name: str, root: Path, **extra: Any) -> Ranks:
+    cfg = {"world": WORLD, "root": str(root), "name": name, "timeout": 20,
+           "store": f"file://{root}/store-{name}-{secrets.token_hex(4)}", **extra}
+    cfg_path = root / f"config-{name}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    ranks = run_ranks(lambda r: [str(WORKER), job, str(r), str(cfg_path)], WORLD, root, name, env=rank_env(),
+                      timeout=120)
+    assert_all_ok(ranks, name, 120)
+    return ranks
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"step-{step:010d}"
+
+
+def replica(root: Path, node: int, step: int) -> Path:
+    return root / "replicas" / f"node-{node:05d}" / f"step-{step:010d}"
+
+
+def corrupt_rank_data(folder: Path, rank: int) -> None:
+    data = sorted(folder.glob(f"r{rank:05d}-p*.safetensors"))
+    assert data, f"no data file of rank {rank} in {folder}"
+    raw = bytearray(data[0].read_bytes())
+    raw[-1] ^= 0xFF
+    data[0].write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def lost_node(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Ranks, Ranks]:
+    """Saved without a remote (the newest step on any remote would be older); node B wiped; restarted."""
+    root = tmp_path_factory.mktemp("peers")
+    saved = launch("save", "save", root, steps=[1, 2, 3])
+    shutil.rmtree(root / "B")
+    restored = launch("restore", "restore", root)
+    return root, saved, restored
+
+
+def test_saves_are_copied_to_the_partner_node_without_a_remote(lost_node: tuple[Path, Ranks, Ranks]) -> None:
+    root, saved, _ = lost_node
+    for rank, rec in enumerate(saved.phases("save")):
+        assert rec["persisted"] == [True, True, True]
+        assert rec["node"] == (0 if rank < 2 else 1)
+        if rank in (0, 2):  # the node leaders copy
+            assert rec["failures"] == 0 and rec["pushed"] == 3
+    # A holds B's newest keep_local=2 steps as replicas, committed; nothing temporary is left
+    held = sorted(p.name for p in (root / "A" / "replicas" / "node-00001").iterdir())
+    assert held == ["step-0000000002", "step-0000000003"]
+    assert (replica(root / "A", 1, 3) / "manifest.json").is_file()
+    assert json.loads((replica(root / "A", 1, 3) / "manifest.json").read_text())["holds_ranks"] == [2, 3]
+
+
+def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
+        lost_node: tuple[Path, Ranks, Ranks]) -> None:
+    root, _, restored = lost_node
+    for rank, rec in enumerate(restored.phases("restore")):
+        assert rec["step"] == 3, rec
+        assert rec["state"] == summarize(make_state(rank, 3))  # every value, bit for bit (float32 -> JSON exact)
+        tiers = {tier for tier, _ in rec["loads"]}
+        assert tiers == ({"local"} if rank < 2 else {"peer"}), rec["loads"]
+        assert rec["fetched"] == ([] if rank < 2 else ["step-0000000003"])
+    # B's ranks fetched only their own shard
+    fetched = sorted(p.name for p in (root / "B" / "replicas" / ".fetch-r00002" / "step-0000000003").iterdir())
+    assert fetched[0] == "manifest.json" and len(fetched) == 3
+    assert all(n.startswith("r00002-") for n in fetched[1:])
+
+
+def test_with_both_copies_corrupted_a_rank_falls_back_to_the_remote(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    launch("save", "save-remote", tmp_path, steps=[1, 2, 3], remote=str(remote))
+    assert (step_folder(remote, 3) / "manifest.json").is_file()
+    corrupt_rank_data(step_folder(tmp_path / "B", 3), 2)  # B's own copy of rank 2's shard
+    corrupt_rank_data(replica(tmp_path / "A", 1, 3), 2)  # and A's replica of it
+    restored = launch("restore", "restore-remote", tmp_path, remote=str(remote))
+    for rank, rec in enumerate(restored.phases("restore")):
+        assert rec["step"] == 3, rec
+        assert rec["state"] == summarize(make_state(rank, 3))
+        assert [t for t, _ in rec["loads"]] == (["remote"] if rank == 2 else ["local"]), rec["loads"]
+    assert "in tier peer is corrupt" in restored.logs[2]

@@ -1,0 +1,127 @@
+"""Where a node keeps its partners' replicas in its local tier, and the ring that says who holds whose.
+
+Layout, in the local root of the node that holds them::
+
+    replicas/node-<k>/step-<N>/...        node k's committed step N, the files of its step folder as they are
+    replicas/node-<k>/.tmp-step-<N>-<id>/ a replica being received (never read; removed at start-up)
+    replicas/.fetch-r<rank>/step-<N>/...  the shard a replaced node's rank fetched back from a partner
+
+A replica is committed the way a local step is: every file is received, checked against the sender's checksum
+and fsync-ed inside a temporary folder, and one ``rename`` gives it its ``step-<N>`` name (then the parent folder
+is fsync-ed). A folder named ``step-<N>`` always holds a whole copy with its ``manifest.json``; a transfer killed
+half-way leaves only a temporary folder, which no listing counts. Nodes are numbered by their lowest rank
+(:class:`Ring`); a job restarted with the same ranks on the same number of nodes numbers them the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+from ..format import layout
+
+log = logging.getLogger(__name__)
+
+ROOT = "replicas"
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The nodes of a job in a ring: ``node`` is this rank's node (0 .. ``nodes`` - 1, in the order of the nodes'
+    lowest ranks), and each node's committed steps go to the ``copies`` nodes after it."""
+
+    node: int
+    nodes: int
+    copies: int
+
+    def partners(self, node: int | None = None) -> list[int]:
+        """The nodes that hold ``node``'s replicas (default: this one's), nearest first."""
+        n = self.node if node is None else node
+        return [(n + i) % self.nodes for i in range(1, self.copies + 1)]
+
+    def sources(self) -> list[int]:
+        """The nodes whose replicas this node holds."""
+        return [(self.node - i) % self.nodes for i in range(1, self.copies + 1)]
+
+
+def node_dir(node: int) -> str:
+    return f"{ROOT}/node-{node:05d}"
+
+
+def fetch_root(local_root: str, rank: int) -> str:
+    return os.path.join(local_root, ROOT, f".fetch-r{rank:05d}")
+
+
+def committed_steps(local_root: str, node: int) -> list[int]:
+    """Node ``node``'s replica steps held under ``local_root`` that are committed (their ``manifest.json`` is
+    there), oldest first."""
+    folder = os.path.join(local_root, node_dir(node))
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = []
+    for name in names:
+        s = layout.parse_step_dir(name)
+        if s is not None and os.path.isfile(os.path.join(folder, name, layout.STEP_MANIFEST)):
+            steps.append(s)
+    return sorted(steps)
+
+
+def held_nodes(local_root: str) -> list[int]:
+    """The nodes whose replicas are kept under ``local_root`` (any step, committed or not)."""
+    try:
+        names = os.listdir(os.path.join(local_root, ROOT))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        if name.startswith("node-") and name[5:].isdigit():
+            out.append(int(name[5:]))
+    return sorted(out)
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_leftovers(local_root: str) -> list[str]:
+    """Remove the temporary folders of replicas whose transfer never finished (a crash mid-transfer) and of
+    fetches; returns what was removed."""
+    removed = []
+    for node in held_nodes(local_root):
+        folder = os.path.join(local_root, node_dir(node))
+        for name in os.listdir(folder):
+            if layout.is_leftover(name):
+                remove_tree(os.path.join(folder, name))
+                removed.append(os.path.join(folder, name))
+    return removed
+
+
+def retain(local_root: str, node: int, keep: int) -> list[int]:
+    """Keep node ``node``'s newest ``keep`` committed replicas; returns the steps removed (each renamed to a
+    trash name first, so that no listing meets a half-removed step)."""
+    folder = os.path.join(local_root, node_dir(node))
+    steps = committed_steps(local_root, node)
+    gone = steps[:-keep] if keep > 0 else steps
+    for s in gone:
+        src = os.path.join(folder, layout.step_dir(s))
+        trash = os.path.join(folder, layout.trash_dir(layout.step_dir(s)))
+        try:
+            os.rename(src, trash)
+        except OSError as exc:
+            log.warning("tier peer: cannot remove node %d's replica of step %d at %s: %s", node, s, src, exc)
+            continue
+        remove_tree(trash)
+        log.info("tier peer: removed node %d's replica of step %d (keeping %d) at %s", node, s, keep, folder)
+    return gone
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
