@@ -228,8 +228,9 @@ def _restart(world: int, remote_only: int, wiped: set[int], monkeypatch: pytest.
             seen.append((store.tier, s, None if manifest is None else [x.rank for x in manifest.ranks]))
             return _Prepared()
 
-        done = sharded.restore(SimpleNamespace(coord=c, rank=r), {}, None, [_Tier("local"), _Tier("remote")],
-                               strict=True, load=load, listing=listing)
+        eng = SimpleNamespace(coord=c, rank=r, peers=None)
+        done = sharded.restore(eng, {}, None, [_Tier("local"), _Tier("remote")], strict=True, load=load,
+                               listing=listing)
         return done, seen
 
     results, store, traffic = run_ranks(world, body)
