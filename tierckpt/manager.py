@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -54,7 +55,7 @@ from .options import (
     check_metadata,
     check_storage_options,
 )
-from .peers import Peers
+from .peers.node import Peers
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .replication import Health, ReplicationPolicy, Replicator
 from .snapshot import staging
@@ -348,7 +349,12 @@ class CheckpointManager:
         """Where both tiers stand: newest committed step per tier, upload lag in steps and seconds, the step being
         uploaded and those waiting, and the remote's failure streak with its last error. Cheap (one listing of the
         local folder, no remote request): meant for logs, dashboards and a training loop's periodic check."""
-        return _uploads.health(self._engine, self._replicator)
+        health = _uploads.health(self._engine, self._replicator)
+        peers = self._peers
+        if peers is None:
+            return health
+        return dataclasses.replace(health, peer_step=peers.pushed, peer_failures=peers.failures,
+                                   peer_last_error=peers.last_error)
 
     # ------------------------------------------------------------------------------------------------ policy
     def install_signal_handlers(self, signals=DEFAULT_SIGNALS) -> None:

@@ -44,7 +44,8 @@ def job_save(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
             except Exception as exc:  # an unreachable remote: the peer copies do not depend on it
                 out["wait_error"] = err(exc)
             peers = mgr.components.engine.peers
-            out |= {"failures": peers.failures, "pushed": peers.pushed, "node": peers.ring.node}
+            health = mgr.health()
+            out |= {"failures": health.peer_failures, "pushed": health.peer_step, "node": peers.ring.node}
             dist.barrier()  # every node's copies are in before any server stops
         finally:
             mgr.close(raise_upload_errors=False)

@@ -18,6 +18,7 @@ import pytest
 
 from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
 from tests.distributed._dist_worker import make_state, summarize
+from tierckpt import cli
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -74,6 +75,17 @@ def test_saves_are_copied_to_the_partner_node_without_a_remote(lost_node: tuple[
     assert held == ["step-0000000002", "step-0000000003"]
     assert (replica(root / "A", 1, 3) / "manifest.json").is_file()
     assert json.loads((replica(root / "A", 1, 3) / "manifest.json").read_text())["holds_ranks"] == [2, 3]
+
+
+def test_ls_and_verify_see_the_replicas(lost_node: tuple[Path, Ranks, Ranks],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    root = lost_node[0]
+    assert cli.main(["ls", "--json", str(root / "A")]) == 0
+    assert json.loads(capsys.readouterr().out)["replicas"] == {"1": [2, 3]}
+    corrupt_rank_data(replica(root / "A", 1, 2), 3)
+    assert cli.main(["verify", str(root / "A")]) != 0  # the damaged replica is found
+    out = capsys.readouterr().out
+    assert "replica under" in out and "3 of 4 steps intact; corrupt: [2]" in out
 
 
 def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(

@@ -15,7 +15,8 @@ import pytest
 from tierckpt import CheckpointManager
 from tierckpt.engine.restore_plan import RestorePlan, my_tiers
 from tierckpt.format import hashing
-from tierckpt.peers import Ring, replicas, wire
+from tierckpt.peers import replicas, wire
+from tierckpt.peers.replicas import Ring
 from tierckpt.peers.server import PeerServer
 
 DATA = os.urandom(300_000)

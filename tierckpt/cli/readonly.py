@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import StorageError
 from ..format import layout
+from ..peers import replicas as _replicas
 from ..tiers.memory import job_dir, steps_in_memory
 from ._common import (
     EXIT_BAD,
@@ -87,6 +88,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     code = EXIT_OK if remote_error is None else EXIT_UNAVAILABLE
     # the memory tier's copies on this node (a job with memory_tier=True that crashed, or is running)
     in_memory = {} if store.local_path is None else steps_in_memory(store.local_path)
+    # the replicas this node keeps for its partner nodes (peer_replicas)
+    replicas_held = {} if store.local_path is None else replica_steps(store.local_path, only)
     if args.json:
         doc: dict[str, Any] = {
             "ok": remote_error is None, "root": store.url, "remote": remote.url if remote else None,
@@ -98,12 +101,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                        "shared_bytes": i.shared_bytes, "refs": list(i.refs)} for i in infos],
             "incomplete": listing.incomplete,
             "memory": {str(s): r for s, r in sorted(in_memory.items()) if only is None or s == only},
+            "replicas": {str(node): steps for node, steps in replicas_held.items()},
         }
         if remote is not None and remote_error is not None:
             doc["remote_error"] = clean(args, f"{remote.url}: {remote_error.detail}")
         print(json.dumps(doc))
         return code
-    if not infos and not listing.incomplete:
+    if not infos and not listing.incomplete and not replicas_held:
         print(f"no checkpoints under {store.url}")
         return code
     print(f"{'STEP':>12}  {'STATE':<13} {'SIZE':>10} {'OWN':>10}  {'SHARED':<22} {'CREATED':<19}  RANKS")
@@ -117,7 +121,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s, held in sorted(in_memory.items()):
         if only is None or s == only:
             print(f"{s:>12}  {'memory':<13} ranks {held} on this node (memory tier: {job_dir(store.local_path or '')})")
+    for node, steps in replicas_held.items():
+        for s in steps:
+            print(f"{s:>12}  {'replica':<13} of node {node} (peer copy: "
+                  f"{store.url}/{_replicas.node_dir(node)}/{layout.step_dir(s)})")
     return code
+
+
+def replica_steps(root: str, only: int | None = None) -> dict[int, list[int]]:
+    """The committed replica steps kept under ``root`` for each partner node (``replicas/node-<k>/``)."""
+    out = {}
+    for node in _replicas.held_nodes(root):
+        steps = [s for s in _replicas.committed_steps(root, node) if only is None or s == only]
+        if steps:
+            out[node] = steps
+    return out
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -133,13 +151,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         only = args.step
     listing = bounded_list_root(args, store)
     steps = [s for s in listing.steps if only is None or s == only]
+    peer_roots = _replica_roots(store, only, args)
     if only is not None and only not in listing.steps:
         folder_exists = bounded(args, store, "exists", lambda: store.exists(layout.step_dir(only)))
         if not folder_exists:
             say(args, f"step {only} not found under {store.url}")
             return EXIT_USAGE
         steps = [only]
-    if not steps:
+    if not steps and not peer_roots:
         if args.json:
             print(json.dumps({"root": store.url, "ok": False, "steps": [], "incomplete": listing.incomplete,
                               "error": "no committed checkpoints found"}))
@@ -156,6 +175,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             reports.append(report)
             if not args.json:
                 print_report(args, report)
+        for peer_store, peer_steps in peer_roots:  # the replicas this node keeps for its partners
+            for step in peer_steps:
+                report = verify_step(peer_store, step, threads=args.threads, deadline_s=deadline_for(args, store),
+                                     seen_committed=True)
+                reports.append(report)
+                if not args.json:
+                    print(f"replica under {peer_store.url}:")
+                    print_report(args, report)
     finally:
         if bar:
             bar.close()
@@ -172,6 +199,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{checked - len(bad)} of {checked} steps intact" + (f"; corrupt: {bad}" if bad else "")
               + (f"; removed during the check: {removed}" if removed else ""))
     return EXIT_OK if ok else EXIT_BAD
+
+
+def _replica_roots(store: Any, only: int | None, args: argparse.Namespace) -> list[tuple[Any, list[int]]]:
+    """Each partner node's replica folder under a local ROOT (``replicas/node-<k>/``, a tier root of its own) with
+    its committed steps (only ``only``, if given)."""
+    if store.local_path is None:
+        return []
+    from ..storage.local import LocalStore
+
+    return [(LocalStore(f"{store.local_path}/{_replicas.node_dir(node)}", tier="peer", create=False), steps)
+            for node, steps in replica_steps(store.local_path, only).items()]
 
 
 def print_report(args: argparse.Namespace, report: Any) -> None:

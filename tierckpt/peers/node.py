@@ -138,7 +138,7 @@ class Peers:
             if layout.STEP_MANIFEST not in names:
                 raise wire.PeerError("not committed locally (retention removed it?)")
             names = [n for n in names if n != layout.STEP_MANIFEST] + [layout.STEP_MANIFEST]  # the manifest last
-            files = [[n, self.local.size(f"{folder}/{n}")] for n in names]
+            files = [(n, self.local.size(f"{folder}/{n}")) for n in names]
         except Exception as exc:
             self._failed(step, None, exc)
             return

@@ -131,7 +131,7 @@ class PeerServer:
             return
         prefix = f"r{rank:05d}-"
         names = [layout.STEP_MANIFEST] + sorted(n for n in os.listdir(folder) if n.startswith(prefix))
-        files = [[n, os.path.getsize(os.path.join(folder, n))] for n in names]
-        wire.send_msg(conn, {"files": files})
+        files = [(n, os.path.getsize(os.path.join(folder, n))) for n in names]
+        wire.send_msg(conn, {"files": [list(f) for f in files]})
         for n, size in files:
             wire.send_file(conn, os.path.join(folder, n), size)

@@ -16,7 +16,9 @@ class Health:
     ``upload_lag_steps``: committed local steps newer than ``remote_step``; ``upload_lag_s``: seconds since the
     oldest of them was committed locally (0 when none). ``uploading`` / ``waiting``: the step being uploaded and
     those queued. ``consecutive_failures`` / ``failing_since`` (``time.time()``) / ``last_error`` /
-    ``last_error_time``: the remote's current failure streak and its last error (kept after the streak ends)."""
+    ``last_error_time``: the remote's current failure streak and its last error (kept after the streak ends).
+    With ``peer_replicas`` (node leaders): ``peer_step``, the newest step this node copied to a partner;
+    ``peer_failures`` / ``peer_last_error``, the copies that failed (logged, never raised) and the last error."""
 
     local_step: int | None
     remote_step: int | None
@@ -30,6 +32,9 @@ class Health:
     failing_since: float | None
     last_error: str | None
     last_error_time: float | None
+    peer_step: int | None = None
+    peer_failures: int = 0
+    peer_last_error: str | None = None
 
     @property
     def ok(self) -> bool:
