@@ -59,8 +59,11 @@ def job_restore(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> No
     def run() -> dict[str, Any]:
         state = empty_state(rank)
         LOADS.clear()
-        with manager(rank, world, cfg) as mgr:
+        mgr = manager(rank, world, cfg)
+        try:
             step = mgr.restore(state)
+        finally:
+            mgr.close(raise_upload_errors=False)
         fetched = node_root(Path(cfg["root"]), rank, world) / "replicas" / f".fetch-r{rank:05d}"
         return {"step": step, "state": summarize(state), "loads": list(LOADS),
                 "fetched": sorted(p.name for p in fetched.iterdir()) if fetched.is_dir() else []}

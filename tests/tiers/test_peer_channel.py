@@ -14,6 +14,7 @@ import pytest
 
 from tierckpt import CheckpointManager
 from tierckpt.engine.restore_plan import RestorePlan, my_tiers
+from tierckpt.errors import StorageError
 from tierckpt.format import hashing
 from tierckpt.peers import replicas, wire
 from tierckpt.peers.replicas import Ring
@@ -142,6 +143,18 @@ def test_the_ring_and_the_plan_count_a_partners_replica() -> None:
     stray = RestorePlan(None, local_first=True, shared=set(), ring=(3, 1)).plan(
         [{"local": [], "node": 0}, {"local": [5], "node": 1}, {"local": [5], "node": 2, "replicas": [[0, [5]]]}])[0]
     assert stray["next"] is None
+
+
+def test_a_remote_rank_0_could_not_list_defers_to_the_replicas_then_fails_the_restore() -> None:
+    down = StorageError("remote refused", tier="remote", path="s3://b/run")
+    # rank 0's node (0) was replaced and the remote cannot be listed: node 1 holds node 0's step 5
+    offers = [{"local": [], "node": 0, "replicas": [[1, [5]]], "deferred": down}, {"local": [5], "node": 1,
+                                                                                  "replicas": [[0, [5]]]}]
+    assert RestorePlan(None, local_first=True, ring=(2, 1)).plan(offers)[0]["next"]["step"] == 5
+    offers[1]["replicas"] = [[0, []]]  # no replica either: the remote's error, never "no checkpoint"
+    answer = RestorePlan(None, local_first=True, ring=(2, 1)).plan(offers)[0]
+    assert answer["blocked"]["ranks"] == [0] and answer["error"] is down
+    assert RestorePlan(5, local_first=True, ring=(2, 1)).plan(offers)[0]["error"] is down
 
 
 def test_my_tiers_puts_the_partners_between_local_and_remote() -> None:

@@ -75,14 +75,21 @@ class RestorePlan:
         self.local = [set(o["local"]) for o in offers]
         if self.ring is not None:
             self.local = self._with_replicas(offers)
+        # rank 0 could not list the remote, and its node holds nothing of its own: the replicas decide, and if they
+        # do not, the remote's failure is every rank's answer (never "no checkpoint" while the remote may hold one)
+        deferred = offers[0].get("deferred")
         if self.step is not None:
             missing = [r for r, h in enumerate(self.local) if self.step not in h and self.step not in self.shared]
+            if missing and deferred is not None:
+                return [{"blocked": _listed([0]), "error": deferred}] * world
             if missing:
                 return [{"missing": _listed(missing)}] * world
             self.order = [self.step]
         else:
             everywhere = set.intersection(*self.local) if self.local else set()
             self.order = sorted(self.shared | everywhere, reverse=True)
+            if not self.order and deferred is not None:
+                return [{"blocked": _listed([0]), "error": deferred}] * world
         answer = {"any": bool(self.shared) or any(self.local), "next": self.decision(0)}
         return [answer] * world
 

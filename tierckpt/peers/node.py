@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -85,6 +86,8 @@ class Peers:
         self.failures = 0
         self.pushed: int | None = None
         self.last_error: str | None = None
+        #: the newest copies to a partner: (step, partner, bytes, seconds from the local commit's hand-over)
+        self.copies: deque[tuple[int, int, int, float]] = deque(maxlen=64)
         self._lock = threading.Lock()
         self._pending: int | None = None
         self._running: Future[None] | None = None
@@ -156,6 +159,7 @@ class Peers:
                 self._failed(step, partner, exc)
                 continue
             self.pushed = step
+            self.copies.append((step, partner, sum(s for _, s in files), time.monotonic() - t0))
             log.info("tier peer: node %d copied step %d to node %d (%d bytes) in %.3f s", self.ring.node, step,
                      partner, sum(s for _, s in files), time.monotonic() - t0)
 
