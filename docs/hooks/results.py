@@ -382,6 +382,24 @@ def _memory_tier(run: Run) -> tuple[str, str]:
                        rows)
 
 
+def _peer_copies(run: Run) -> tuple[str, str]:
+    (name, d), = run
+    rp, st, cp = d["recovery_point_steps"], d["step_s"], d["copy_s"]
+    mib = d["bytes_per_node_step"] / 2**20
+    rows = [["recovery point after losing node 1 (saves back)", str(rp["off"]), str(rp["on"])],
+            ["newest step every rank could restore", str(d["restorable"]["off"]), str(d["restorable"]["on"])],
+            ["training step + `save()`, mean", f"{st['off']:.3f} s", f"{st['on']:.3f} s"]]
+    copy = [["peer copy to commit on the partner (median, min-max)",
+             f"{cp['median']:.3f} s ({cp['min']:.3f}-{cp['max']:.3f})"],
+            ["raw loopback socket copy into fsync-ed files", f"{d['raw_copy_disk_s']:.3f} s"],
+            ["raw loopback socket copy, no disk", f"{d['raw_copy_socket_s']:.3f} s"]]
+    head = (f"node lost while uploads lag: {rp['off']} saves lost without peer copies, {rp['on']} with; step "
+            f"{st['on'] / st['off']:.2f}x; a {mib:.0f} MiB copy commits in {cp['median']:.3f} s "
+            f"({cp['median'] / d['raw_copy_disk_s']:.1f}x a raw socket copy to disk)")
+    return head, (table(["", "`peer_replicas=0`", "`peer_replicas=1`"], rows) + "\n\n"
+                  + table([f"one node's step ({mib:.0f} MiB)", "seconds"], copy))
+
+
 # ------------------------------------------------------------------------------------------------------ benchmarks
 @dataclass(frozen=True)
 class Benchmark:
@@ -566,6 +584,20 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "shared memory in a new process costs is part of it), and raw reads of the data files. Medians; "
         "[the memory tier](memory-tier.md) explains the costs.",
         _memory_tier),
+    Benchmark(
+        "peer-copies", "Peer copies: recovery point after a node loss", rf"cpu_{_TAG}_peer_copies\.json",
+        (".venv/bin/python benchmarks/peer_copies.py --mib 64 --saves 8 --step-s 1.0 --remote-mbps 30 "
+         "--out peer_copies.json",),
+        "Two one-rank nodes (gloo, a local folder each) train 1 s steps and save a 64 MiB state after every one "
+        "to a POSIX remote capped at 30 MB/s (`upload_bandwidth_mbps`), so that uploads fall behind; once without "
+        "and once with `peer_replicas=1`. Right after the last save is committed (and copied), rank 0 takes stock "
+        "as if node 1 were lost: the newest step every rank could restore is the remote's newest, or one node 0 "
+        "holds locally and as node 1's replica. The copy's time runs from the local commit's hand-over to the "
+        "partner's reply that the replica is committed (received, checksummed, fsync-ed, renamed), while the next "
+        "steps train and the uploads run on the same 2 cores; the raw copies send the same files over a loopback "
+        "socket. The VM was shared with other work during the run (load average 98 at its end), which inflates "
+        "every time here. [Peer copies](peer-copies.md) explains the costs.",
+        _peer_copies),
 )
 
 
