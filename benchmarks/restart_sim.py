@@ -18,6 +18,12 @@ and received, rank 0's, the largest single request, and the store keys left once
 
     python benchmarks/restart_sim.py --worlds 256 1024 2048 8192 --remote-only 1 100 \\
         --out docs/results/cpu_2026-12-06_restart_sim.json
+
+torch's TCPStore looks up the peer's name of every connection it opens or accepts (a reverse DNS query for
+127.0.0.1 here); where the resolver drops a query now and then, a connection waits 5 s for it. Run it in a network
+namespace of its own, where the lookup fails at once: ``unshare -rn sh -c 'ip link set lo up; python
+benchmarks/restart_sim.py ...'``. Fewer ranks per process (``--ranks-per-process``) contend less for each
+interpreter's lock: at 8,192 ranks, 1,024 threads a process starve some ranks past the agreements' timeout.
 """
 
 from __future__ import annotations

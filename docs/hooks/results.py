@@ -400,6 +400,28 @@ def _peer_copies(run: Run) -> tuple[str, str]:
                   + table([f"one node's step ({mib:.0f} MiB)", "seconds"], copy))
 
 
+def _restart_sim(run: Run) -> tuple[str, str]:
+    (name, d), = run
+    rows, worst, per_rank = [], 0.0, []
+    largest = max(r["world"] for r in d["results"])
+    for r in d["results"]:
+        for scenario, v in r["scenarios"].items():
+            ag = v["agreements"]
+            slowest = max(a["seconds"] for a in ag)
+            if scenario != "save" and r["world"] == largest:
+                worst = max(worst, slowest)
+            per_rank.append(sum(a["rank_bytes_max"] for a in ag))
+            rows.append([f"{r['world']:,}", str(r["remote_only_steps"]), scenario.replace("_", " "), str(len(ag)),
+                         f"{v['wall_s']:.1f} s", f"{slowest:.1f} s", f"{per_rank[-1]:,}",
+                         f"{sum(a['rank0_bytes'] for a in ag):,}", f"{max(a['largest_request_bytes'] for a in ag):,}",
+                         str(v["keys_left"])])
+    head = (f"a rank's store bytes per save or restart {min(per_rank):,}-{max(per_rank):,} B at every W and step "
+            f"count; slowest restart agreement at {largest:,} ranks {worst:.1f} s; keys left "
+            f"{max(int(row[-1]) for row in rows)}")
+    return head, table(["W", "remote-only steps", "scenario", "agreements", "total", "slowest agreement",
+                        "bytes of a rank (busiest)", "rank 0 bytes", "largest request, bytes", "keys left"], rows)
+
+
 # ------------------------------------------------------------------------------------------------------ benchmarks
 @dataclass(frozen=True)
 class Benchmark:
@@ -598,6 +620,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "socket. The VM was shared with other work during the run (load average 98 at its end), which inflates "
         "every time here. [Peer copies](peer-copies.md) explains the costs.",
         _peer_copies),
+    Benchmark(
+        "restart-sim", "Agreements of thousands of ranks", rf"cpu_{_TAG}_restart_sim\.json",
+        ("unshare -rn sh -c 'ip link set lo up; .venv/bin/python benchmarks/restart_sim.py --worlds 256 1024 2048 "
+         "8192 --remote-only 1 100 --ranks-per-process 128 --out restart_sim.json'",),
+        "Simulated ranks (threads, each with its own TCPStore client, 128 to a process) run tierckpt's coordinator "
+        "and its save and restore code against one TCPStore server (libuv, torch's default) on the VM's 2 cores; "
+        "only storage is simulated (each node's local tier holds the newest 2 steps, the remote those and 1 or 100 "
+        "older ones). A save; a restart with every node intact; one with a node of 8 ranks wiped; one with every "
+        "node wiped. Bytes count keys and values sent and received. [Multi-rank jobs](distributed.md) discusses "
+        "them.",
+        _restart_sim),
 )
 
 
