@@ -199,6 +199,8 @@ class CheckpointManager:
                                                        if self.options.memory_tier else None))
         self._engine.identity = run
         self._engine.peers = self._peers
+        if self._peers is not None:
+            self._peers.busy = lambda: self._pipeline.persisting  # copies pause while a save is written locally
         self._log = SaveLog(hooks, log_to=self.local.root if self.options.log_records else None)
         self._errors = BackgroundErrors()
         self._pipeline = SavePipeline(self._engine, track=self._track, background_error=self._errors.add,

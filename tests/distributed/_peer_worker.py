@@ -37,12 +37,12 @@ def job_save(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
         mgr = manager(rank, world, cfg)
         out: dict[str, Any] = {"persisted": []}
         try:
-            for s in cfg["steps"]:
+            for s in cfg["steps"]:  # saves spaced out as in training: each one's copy is done before the next
                 out["persisted"].append(mgr.save(s, make_state(rank, s)).persisted.result(timeout=60) is not None)
-            try:
-                mgr.wait(timeout=60)
-            except Exception as exc:  # an unreachable remote: the peer copies do not depend on it
-                out["wait_error"] = err(exc)
+                try:
+                    mgr.wait(timeout=60)  # the peer copy too
+                except Exception as exc:  # an unreachable remote: the peer copies do not depend on it
+                    out["wait_error"] = err(exc)
             peers = mgr.components.engine.peers
             health = mgr.health()
             out |= {"failures": health.peer_failures, "pushed": health.peer_step, "node": peers.ring.node}
@@ -72,7 +72,22 @@ def job_restore(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> No
     dist.barrier()
 
 
-JOBS = {"save": job_save, "restore": job_restore}
+def job_one_node(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """Every rank in one folder: one node, no partner to copy to."""
+    from tierckpt import CheckpointManager
+
+    def run() -> dict[str, Any]:
+        try:
+            CheckpointManager(Path(cfg["root"]) / "only", peer_replicas=1, collective_timeout_s=cfg["timeout"]).close()
+        except Exception as exc:
+            return {"error": err(exc)}
+        return {}
+
+    rec.phase("one_node", run)
+    dist.barrier()
+
+
+JOBS = {"save": job_save, "restore": job_restore, "one_node": job_one_node}
 
 
 def main() -> None:

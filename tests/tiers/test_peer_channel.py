@@ -112,6 +112,26 @@ def test_foreign_requests_are_refused(server: PeerServer, tmp_path: Path) -> Non
     assert replicas.committed_steps(str(tmp_path), 1) == []
 
 
+def test_a_copy_pauses_between_chunks_while_a_save_is_written_locally(tmp_path: Path) -> None:
+    from tierckpt.peers import node
+
+    class Busy:
+        calls = 0
+
+        def __call__(self) -> bool:
+            self.calls += 1
+            return self.calls < 4  # the local write ends after a few checks
+
+    peers = node.Peers.__new__(node.Peers)  # only the pause is under test: no ring, no server
+    peers.timeout_s, peers.yielded_s, peers.busy = 5.0, 0.0, Busy()
+    peers._yield(4 << 20)
+    assert peers.busy.calls == 4 and peers.yielded_s > 0
+    peers.busy = lambda: True  # a local write that never ends: bounded all the same
+    t0 = time.monotonic()
+    peers._yield(4 << 20)
+    assert node.YIELD_S <= time.monotonic() - t0 < node.YIELD_S + 1
+
+
 def test_get_sends_one_ranks_shard_verified(server: PeerServer, tmp_path: Path) -> None:
     assert put(server, 5) == {"ok": True}
     out = tmp_path / "out"

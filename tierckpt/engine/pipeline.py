@@ -66,6 +66,11 @@ class SavePipeline:
         return self._overlap
 
     @property
+    def persisting(self) -> bool:
+        """Whether a save is being written to the local tier now (the peer copies yield to it)."""
+        return bool(self._persisting)
+
+    @property
     def plan(self) -> SnapshotPlan | None:
         """The snapshot plan of the last state saved or reserved (kept while its layout does not change)."""
         return self._plan

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the address this node's peer server listens on (default: the address that routes
 #: to ``MASTER_ADDR``, else the host name's).
 HOST_ENV = "TIERCKPT_PEER_HOST"
+#: The longest a copy pauses between two chunks for a save being written locally.
+YIELD_S = 0.25
 
 
 def _host() -> str:
@@ -93,6 +96,10 @@ class Peers:
         self._running: Future[None] | None = None
         self.server: PeerServer | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-peer")
+        #: whether the local tier is being written now: the copy pauses between chunks meanwhile (set by the manager)
+        self.busy: Callable[[], bool] = lambda: False
+        #: seconds the copies spent paused for local writes
+        self.yielded_s = 0.0
         if self.leader:
             for gone in replicas.clean_leftovers(local.root):
                 log.info("tier peer: removed the unfinished replica %s", gone)
@@ -153,7 +160,7 @@ class Peers:
                                          "files": files})
                     self._expect_ok(sock)
                     for n, size in files:
-                        wire.send_file(sock, self.local.path(f"{folder}/{n}"), size)
+                        wire.send_file(sock, self.local.path(f"{folder}/{n}"), size, throttle=self._yield)
                     self._expect_ok(sock)
             except Exception as exc:
                 self._failed(step, partner, exc)
@@ -162,6 +169,17 @@ class Peers:
             self.copies.append((step, partner, sum(s for _, s in files), time.monotonic() - t0))
             log.info("tier peer: node %d copied step %d to node %d (%d bytes) in %.3f s", self.ring.node, step,
                      partner, sum(s for _, s in files), time.monotonic() - t0)
+
+    def _yield(self, _sent: int) -> None:
+        """Between two chunks: wait while a save is written to the local tier (the local write comes first), at
+        most :data:`YIELD_S` per chunk, so that a job saving back to back still copies (a chunk per pause at
+        worst) and the partner's receive never times out meanwhile."""
+        if not self.busy():
+            return
+        t0 = time.monotonic()
+        while self.busy() and time.monotonic() - t0 < min(YIELD_S, self.timeout_s / 2):
+            time.sleep(0.005)
+        self.yielded_s += time.monotonic() - t0
 
     def _failed(self, step: int, partner: int | None, exc: BaseException) -> None:
         self.failures += 1
