@@ -148,6 +148,30 @@ def test_get_sends_one_ranks_shard_verified(server: PeerServer, tmp_path: Path) 
         assert "holds no replica" in wire.recv_msg(sock)["error"]
 
 
+def test_a_fetch_from_a_replica_without_the_ranks_shard_goes_on_to_the_next_tier(server: PeerServer,
+                                                                                   tmp_path: Path) -> None:
+    from tierckpt.errors import CorruptCheckpointError
+    from tierckpt.peers import node
+    from tierckpt.storage.local import LocalStore
+
+    assert put(server, 5) == {"ok": True}
+    host, port = server.address
+
+    class Channel:
+        def fetch(self, names: list[str], timeout_s: float, *, readers: int) -> dict:
+            return {names[0]: {"host": host, "port": port, "token": server.token}}
+
+    peers = node.Peers.__new__(node.Peers)  # rank 7 of node 1, whose partner is this server's node 0
+    peers.local, peers.rank, peers.ring, peers.url = LocalStore(tmp_path / "b"), 7, Ring(1, 2, 1), "peer://node-1"
+    peers.timeout_s, peers._addresses, peers._channel = 5.0, {}, Channel()
+    with pytest.raises(CorruptCheckpointError, match="holds no shard of rank 7"):
+        peers.fetch(5)  # the restore then tries the remote, as for a corrupt copy
+    peers.rank = 2
+    got = peers.fetch(5)
+    assert got.tier == "peer"
+    assert (Path(got.root) / "step-0000000005" / "r00002-p0000-ab.safetensors").read_bytes() == DATA
+
+
 def test_the_ring_and_the_plan_count_a_partners_replica() -> None:
     ring = Ring(node=2, nodes=4, copies=2)
     assert ring.partners() == [3, 0] and ring.sources() == [1, 0]

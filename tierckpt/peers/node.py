@@ -238,6 +238,8 @@ class Peers:
                     if not isinstance(reply, dict) or "files" not in reply:
                         raise wire.PeerError(str(reply.get("error") if isinstance(reply, dict) else reply)[:1024])
                     files = wire.check_files(reply["files"])
+                    if not any(n.startswith(f"r{self.rank:05d}-") and n.endswith(".manifest.json") for n, _ in files):
+                        raise wire.PeerError(f"its replica of step {step} holds no shard of rank {self.rank}")
                     for n, size in files:
                         wire.recv_file(sock, os.path.join(tmp, n), size)
                 os.rename(tmp, os.path.join(root, layout.step_dir(step)))
