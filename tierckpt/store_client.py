@@ -177,13 +177,15 @@ class Traffic:
     #: the largest single request sent, in bytes
     largest: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, op: str, sent: int, received: int) -> None:
-        self.requests += 1
-        self.sent += sent
-        self.received += received
-        self.largest = max(self.largest, sent)
-        self.by_op[op] = self.by_op.get(op, 0) + 1
+        with self._lock:  # the connections of one rank's lanes count into one Traffic from their threads
+            self.requests += 1
+            self.sent += sent
+            self.received += received
+            self.largest = max(self.largest, sent)
+            self.by_op[op] = self.by_op.get(op, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
         return {"requests": self.requests, "sent": self.sent, "received": self.received, "largest": self.largest,
@@ -200,48 +202,47 @@ class StoreTraffic:
         self.inner = inner
         self.traffic = traffic if traffic is not None else Traffic()
         self._share = share_connection
-        self._lock = threading.Lock()
 
-    def _count(self, op: str, sent: int, received: int) -> None:
-        with self._lock:
-            self.traffic.add(op, sent, received)
+    def _count(self, op: str, sent: int, received: int, key: str) -> None:
+        """Count one request (``key``: its first key, for subclasses that count by key)."""
+        self.traffic.add(op, sent, received)
 
     def clone(self) -> StoreTraffic:
         inner = self.inner if self._share else self.inner.clone()
         return StoreTraffic(inner, self.traffic, share_connection=self._share)
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._count("set", len(key) + len(value), 0)
+        self._count("set", len(key) + len(value), 0, key)
         self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
         value = self.inner.get(key)
-        self._count("get", len(key), len(value))
+        self._count("get", len(key), len(value), key)
         return value
 
     def add(self, key: str, n: int) -> int:
-        self._count("add", len(key) + 8, 8)
+        self._count("add", len(key) + 8, 8, key)
         return self.inner.add(key, n)
 
     def delete_key(self, key: str) -> bool:
-        self._count("delete", len(key), 1)
+        self._count("delete", len(key), 1, key)
         return self.inner.delete_key(key)
 
     def check(self, keys: list[str]) -> bool:
-        self._count("check", sum(map(len, keys)), 1)
+        self._count("check", sum(map(len, keys)), 1, keys[0] if keys else "")
         return self.inner.check(keys)
 
     def wait(self, keys: list[str], *timeout: Any) -> None:
-        self._count("wait", sum(map(len, keys)), 1)
+        self._count("wait", sum(map(len, keys)), 1, keys[0] if keys else "")
         self.inner.wait(keys, *timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         values = self.inner.multi_get(keys)
-        self._count("multi_get", sum(map(len, keys)), sum(map(len, values)))
+        self._count("multi_get", sum(map(len, keys)), sum(map(len, values)), keys[0] if keys else "")
         return values
 
     def multi_set(self, keys: list[str], values: list[bytes]) -> None:
-        self._count("multi_set", sum(map(len, keys)) + sum(map(len, values)), 0)
+        self._count("multi_set", sum(map(len, keys)) + sum(map(len, values)), 0, keys[0] if keys else "")
         self.inner.multi_set(keys, values)
 
     def num_keys(self) -> int:

@@ -562,26 +562,13 @@ def scenario_traffic(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
         agreement's shared keys by its last reader (and the key its last arrival sets) count apart, as "role":
         which rank does it varies from run to run."""
 
-        def _count(self, op: str, sent: int, received: int) -> None:
-            key = self._key
+        def _count(self, op: str, sent: int, received: int, key: str) -> None:
             if not key.startswith("tierckpt/m"):
-                self.traffic = upload
+                upload.add(op, sent, received)
             elif (op == "delete" and key.endswith(shared)) or (op == "set" and key.endswith("/all")):
-                self.traffic = role
+                role.add(op, sent, received)
             else:
-                self.traffic = agree
-            super()._count(op, sent, received)
-
-        def __getattribute__(self, name: str) -> Any:
-            if name in ("set", "get", "add", "delete_key", "check", "wait", "multi_get", "multi_set"):
-                method = object.__getattribute__(self, name)
-
-                def keyed(first: Any, *args: Any) -> Any:
-                    self._key = first if isinstance(first, str) else (first[0] if first else "")
-                    return method(first, *args)
-
-                return keyed
-            return object.__getattribute__(self, name)
+                agree.add(op, sent, received)
 
         def clone(self) -> StoreTraffic:
             return Counted(self.inner.clone(), self.traffic)

@@ -263,7 +263,9 @@ def test_restore_plan_sends_each_rank_the_same_bytes_whatever_the_world_and_the_
     for reads in (True, False):
         got = [v for k, v in per_rank.items() if k[2] == reads]
         plain, most = [p[0] for p in got], [p[1] for p in got]
-        assert not got or (max(plain) - min(plain) <= 32 and max(most) - min(most) <= 200), per_rank
+        # the busiest rank: the plain cost and, at most, the last arrival's and the last reader's keys (about
+        # 160 bytes) in each of the restart's 6 agreements
+        assert not got or (max(plain) - min(plain) <= 32 and max(most) - min(plain) <= 6 * 160), per_rank
 
 
 def test_the_plan_keeps_the_remote_steps_and_every_ranks_offer_on_rank0() -> None:
