@@ -103,6 +103,13 @@ def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
     assert all(n.startswith("r00002-") for n in fetched[1:])
 
 
+def test_a_job_on_one_node_is_told_peer_copies_need_another_node(tmp_path: Path) -> None:
+    ran = launch("one_node", "one-node", tmp_path)
+    for rec in ran.phases("one_node"):
+        assert rec["error"]["type"] == "CheckpointError"
+        assert "peer_replicas=1 needs at least 2 nodes" in rec["error"]["msg"] and "has 1" in rec["error"]["msg"]
+
+
 def test_with_both_copies_corrupted_a_rank_falls_back_to_the_remote(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     launch("save", "save-remote", tmp_path, steps=[1, 2, 3], remote=str(remote))
