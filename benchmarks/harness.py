@@ -729,6 +729,18 @@ class Launched:
     wall_s: float
 
 
+def popen(argv: list[str], log: Path, cwd: Path | None, env: dict[str, str]) -> Any:
+    """``python ARGV`` with stdout and stderr to the file ``log``: how :func:`launch` starts each process, unless
+    :data:`start_process` says otherwise (a test may start them from a forkserver that has imported torch)."""
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=cwd, env=env)
+
+
+#: ``(argv, log, cwd, env) -> process`` with ``pid``, ``wait(timeout)``, ``poll()``, ``kill()``, ``returncode``
+start_process: Callable[[list[str], Path, Path | None, dict[str, str]], Any] = popen
+
+
 def launch(argvs: Sequence[Sequence[Any]], logs: Sequence[Path], *, timeout_s: float, cwd: Path | None = None,
            env: dict[str, str] | None = None) -> Launched:
     """One process of this interpreter per argv, all at once, each writing stdout and stderr to its log, the
@@ -739,24 +751,21 @@ def launch(argvs: Sequence[Sequence[Any]], logs: Sequence[Path], *, timeout_s: f
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     full.pop("TIERCKPT_FAULT", None)
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        files = [stack.enter_context(open(path, "w")) for path in logs]
-        procs = [subprocess.Popen([sys.executable, *map(str, argv)], stdout=f, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, cwd=cwd, env=full) for argv, f in zip(argvs, files)]
-        deadline = time.monotonic() + timeout_s
-        try:
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        finally:  # a timeout, or an interruption: the stacks, then kill
-            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
-            for i in stuck:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(procs[i].pid, signal.SIGUSR1)
-            if stuck:
-                time.sleep(2.0)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+    procs = [start_process([str(a) for a in argv], Path(log), cwd, full) for argv, log in zip(argvs, logs)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:  # a timeout, or an interruption: the stacks, then kill
+        stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+        for i in stuck:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[i].pid, signal.SIGUSR1)
+        if stuck:
+            time.sleep(2.0)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return Launched([p.returncode for p in procs], stuck, time.perf_counter() - t0)

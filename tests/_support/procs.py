@@ -163,11 +163,15 @@ class Child:
 
 
 def start_python(args: list[str], *, folder: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
-                 cwd: str | os.PathLike[str] | None = None, stderr: str | os.PathLike[str] | None = None,
-                 stdin: str | os.PathLike[str] | None = None) -> Child:
+                 cwd: str | os.PathLike[str] | None = None, stdout: str | os.PathLike[str] | None = None,
+                 stderr: str | os.PathLike[str] | None = None, stdin: str | os.PathLike[str] | None = None) -> Child:
     """Start ``python ARGS`` as a :class:`Child`, its output in new files under ``folder`` (by default a temporary
-    folder removed by :meth:`Child.communicate`); ``stderr`` names where its errors go instead (e.g. a
-    pseudo-terminal's device), ``stdin`` a file or a FIFO to read from."""
+    folder removed by :meth:`Child.communicate`); ``stdout`` names a file for its output instead (its errors then
+    go there too unless ``stderr`` is given), ``stderr`` where its errors go (e.g. a pseudo-terminal's device),
+    ``stdin`` a file or a FIFO to read from."""
+    if stdout is not None:
+        return Child(args, env=env, cwd=cwd, out=Path(stdout), err=None if stderr is None else Path(stderr),
+                     stdin=None if stdin is None else Path(stdin))
     own = folder is None
     folder = tempfile.mkdtemp(prefix="child-") if folder is None else folder
     fd, out = tempfile.mkstemp(prefix="out-", suffix=".txt", dir=folder)

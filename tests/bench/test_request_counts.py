@@ -27,7 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # i
 import _request_counts_rank as rank_script  # noqa: E402
 import _request_counts_report as report  # noqa: E402
 import _request_counts_server as counting  # noqa: E402
+import harness  # noqa: E402
 import request_counts as bench  # noqa: E402
+
+from tests._support.procs import Child, start_python  # noqa: E402
 
 STEPS = 2
 
@@ -38,13 +41,23 @@ def server() -> Iterator[Any]:
         yield s3
 
 
+def _forked(argv: list[str], log: Path, cwd: Path | None, env: dict[str, str]) -> Child:
+    """A rank process forked from the server that has imported torch, its output in ``log``."""
+    log.write_text("")
+    return start_python(argv, env=env, cwd=cwd, stdout=log)
+
+
 @pytest.fixture(scope="module")
-def launches(server: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+def launches(server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, dict[str, Any]]]:
     """Every phase for 1, 2 and 8 ranks, one launch per world size (each rank checks the bytes it restored, or the
-    launch raises)."""
+    launch raises); the ranks start from the suite's forkserver."""
     scratch = tmp_path_factory.mktemp("requests")
-    return {world: bench.run_world(server, world, scratch, steps=STEPS, numel=64 * 1024, timeout_s=180)
-            for world in (1, 2, 8)}
+    harness.start_process = _forked
+    try:
+        yield {world: bench.run_world(server, world, scratch, steps=STEPS, numel=64 * 1024, timeout_s=180)
+               for world in (1, 2, 8)}
+    finally:
+        harness.start_process = harness.popen
 
 
 @pytest.fixture(scope="module")
