@@ -19,6 +19,7 @@ import pytest
 from tests._support.ranks import Ranks, assert_all_ok, rank_env, run_ranks
 from tests.distributed._dist_worker import make_state, summarize
 from tierckpt import cli
+from tierckpt.testing import refused_url
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -101,6 +102,17 @@ def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
     fetched = sorted(p.name for p in (root / "B" / "replicas" / ".fetch-r00002" / "step-0000000003").iterdir())
     assert fetched[0] == "manifest.json" and len(fetched) == 3
     assert all(n.startswith("r00002-") for n in fetched[1:])
+
+
+def test_rank_0s_node_lost_while_the_remote_is_down_restores_from_the_replica(tmp_path: Path) -> None:
+    launch("save", "save-a", tmp_path, steps=[1, 2])
+    shutil.rmtree(tmp_path / "A")  # rank 0's node: it alone lists the remote, which refuses
+    options = {"storage_options": {"client_kwargs": {"endpoint_url": refused_url()}, "key": "k", "secret": "s"}}
+    restored = launch("restore", "restore-a", tmp_path, remote="s3://bucket/run", options=options)
+    for rank, rec in enumerate(restored.phases("restore")):
+        assert rec["step"] == 2, rec
+        assert rec["state"] == summarize(make_state(rank, 2))
+        assert [t for t, _ in rec["loads"]] == (["peer"] if rank < 2 else ["local"]), rec["loads"]
 
 
 def test_a_job_on_one_node_is_told_peer_copies_need_another_node(tmp_path: Path) -> None:

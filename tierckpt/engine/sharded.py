@@ -210,15 +210,18 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
         blocked = None
     except StorageError as exc:
         blocked = exc
+    peers = eng.peers if any(t.tier == "local" for t in tiers) else None  # a replaced node's shards, on partners
+    deferred = None
+    if blocked is not None and peers is not None and rank == 0 and "local" not in listing.failed:
+        deferred, blocked = blocked, None  # only the remote failed: a partner may hold this node's steps
     local = local_steps(eng, tiers, listing) if blocked is None else set()
     shared = {s for t in tiers if t.tier != "local" for s in listing.steps.get(t.tier, ())}
-    peers = eng.peers if any(t.tier == "local" for t in tiers) else None  # a replaced node's shards, on partners
     planner = RestorePlan(step, local_first=bool(tiers) and tiers[0].tier == "local", shared=shared,
                           ring=None if peers is None else (peers.ring.nodes, peers.ring.copies))
     shared_error = rank == 0 and any(t != "local" for t in listing.failed)
     mine = restore_plan.offer(sorted(local), blocked, shared_error=shared_error)
     if peers is not None and blocked is None:
-        mine |= peers.offer()
+        mine |= peers.offer() | ({"deferred": deferred} if deferred is not None else {})
     plan = coord.reduce(mine, coord.main_lane,
                         lambda offers: planner.plan(offers)[0], what="the step to restore", step=step)
     if "blocked" in plan:
