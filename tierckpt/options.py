@@ -44,8 +44,8 @@ class LocalTierOptions:
     #: local disk (docs/memory-tier.md). Freed by ``close()``
     memory_tier: bool = False
     #: a save writes (and uploads) only the tensors whose bytes differ from those of the newest step committed in
-    #: that tier, and references that step's stored bytes for the rest (single-rank jobs; docs/format.md,
-    #: "Incremental steps")
+    #: that tier, and references that step's stored bytes for the rest (in a multi-rank job each rank its own shard's;
+    #: docs/format.md, "Incremental steps")
     incremental: bool = False
     #: with ``incremental``: every that many saves, a step is written whole, so that the older steps it would
     #: reference can go (None: only when nothing can be referenced)

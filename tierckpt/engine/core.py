@@ -56,12 +56,14 @@ class Engine:
         self.continues_remote = False
         #: the remote's run identity as last read (None: not read yet, or none recorded)
         self.remote_run: RunIdentity | None = None
-        #: the local tier's incremental-save state (``options.incremental``, single-rank jobs), else None
+        #: the local tier's incremental-save state of this rank (``options.incremental``), else None
         self.incremental: Incremental | None = None
-        if options.incremental and world_size == 1:
-            self.incremental = Incremental(options.full_every)
+        if options.incremental and world_size > 1 and options.peer_replicas:
+            # a peer copy carries one step folder: a step referencing earlier folders would not be whole there
+            log.warning("rank %d: incremental=True with peer_replicas=%d: steps are written whole", rank,
+                        options.peer_replicas)
         elif options.incremental:
-            log.warning("rank %d: incremental=True: the steps of a multi-rank job are written whole", rank)
+            self.incremental = Incremental(options.full_every, rank=rank, world_size=world_size)
 
     def close(self) -> None:
         """Drop the bounce buffers (their memory is unmapped with them)."""

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..format import hashing, layout
-from ..format.manifest import RankManifest, RankRef, StepManifest
+from ..format.manifest import RankManifest, RankRef, StepManifest, file_rel
 from ..format.shards import UnknownPlacement, mesh_key, overlaps, saved_box
 from ..snapshot import hostcopy
 from ..snapshot.dtensor import assemble, saved_layouts, target_box, to_live_layout
@@ -466,10 +466,10 @@ def _assembled(targets: dict[str, tuple[Any, str, tuple[int, ...]]], manifests: 
 def _read_record(store: Store, rm: RankManifest, rec: Any) -> torch.Tensor:
     """One tensor's bytes from a rank's data file, verified against its checksum."""
     f = rm.files[rec.file]
-    rel = join(layout.step_dir(rm.step), f.name)
+    rel = file_rel(rm.step, f)  # an incremental step's file may lie in an earlier step's folder
     if f.compression:
         whole = bytearray(f.size)
-        fetch_file(store, layout.step_dir(rm.step), f, memoryview(whole))
+        fetch_file(store, layout.step_dir(rm.step if f.in_step is None else f.in_step), f, memoryview(whole))
         data = bytes(memoryview(whole)[rec.offset : rec.offset + rec.nbytes])
     else:
         buf = bytearray(rec.nbytes)

@@ -21,7 +21,7 @@ from ..errors import (
     UploadError,
 )
 from ..format import layout
-from ..format.manifest import RankRef, StepManifest
+from ..format.manifest import RankRef, StepManifest, shared_steps
 from ..storage.base import Store
 from ..storage.commit import read_step_manifest
 from ..storage.failures import describe
@@ -55,9 +55,11 @@ def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> 
     step, sid = snap.step, snap.save_id
     outcome: dict[str, Any]
     try:
-        rm, ref = sharded.persist_shard(eng.local, snap, eng.io, eng.hash)
+        rm, ref = sharded.persist_shard(eng.local, snap, eng.io, eng.hash, eng.incremental)
         outcome = {"ref": (ref.rank, ref.name, ref.size, ref.checksum, ref.mesh), "bytes": rm.total_bytes,
                    "node": topo.node_ranks if topo.is_node_leader else None}
+        if rm.shared_bytes:  # an incremental shard: the few earlier steps it references (bounded by keep_local)
+            outcome |= {"refs": list(shared_steps(rm.files)), "shared": rm.shared_bytes}
         if topo.rank == 0:
             outcome |= {"created": time.time(), "metadata": snap.metadata}
     except Exception as exc:
@@ -79,7 +81,7 @@ def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> 
         manifest = StepManifest(
             step=step, world_size=topo.world_size, save_id=sid, ranks=tuple(RankRef(*r) for r in refs),
             total_bytes=verdict["bytes"], metadata=verdict["metadata"], created=verdict["created"],
-            holds_ranks=topo.node_ranks,
+            holds_ranks=topo.node_ranks, refs=tuple(verdict.get("refs", ())), shared_bytes=verdict.get("shared", 0),
         )
         try:
             commit_local(eng, manifest)
@@ -90,6 +92,8 @@ def persist(eng: Engine, snap: RankSnapshot, *, release: Callable[[], None]) -> 
         raise CheckpointError(f"step not committed on the node(s) of rank(s) {_ranks(confirmed)}: "
                               + _some(confirmed["failed"], confirmed.get("count")), step=step, tier="local",
                               path=eng.local.url)
+    if eng.incremental is not None:  # the next save's baseline: this rank's shard of the committed step
+        eng.incremental.committed(rm, full=not rm.shared_bytes)
 
 
 #: A rank's error travels cut to this many characters; a failure names at most :data:`_LISTED` ranks' errors.
@@ -113,7 +117,11 @@ def _written(outcomes: list[dict[str, Any]]) -> Split:
     if failed:
         return Split(failed, world_size=world)
     total, zero = sum(o["bytes"] for o in outcomes), outcomes[0]
-    return Split({"bytes": total, "created": zero["created"], "metadata": zero["metadata"]},
+    common = {"bytes": total, "created": zero["created"], "metadata": zero["metadata"]}
+    refs = sorted({s for o in outcomes for s in o.get("refs", ())})  # incremental shards: every rank's references
+    if refs:
+        common |= {"refs": refs, "shared": sum(o.get("shared", 0) for o in outcomes)}
+    return Split(common,
                  {r: [outcomes[n]["ref"] for n in o["node"]] for r, o in enumerate(outcomes) if o["node"] is not None},
                  world_size=world)
 

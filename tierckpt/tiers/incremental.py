@@ -20,13 +20,16 @@ committed or the save failed; a kill in between leaves only the save's temporary
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from ..errors import CheckpointNotFoundError
 from ..format import layout
 from ..format.manifest import FileRecord, RankManifest, StepManifest, file_rel, shared_steps
 from ..storage.base import Store
@@ -61,6 +64,11 @@ def pins(store: Store, steps: tuple[int, ...]) -> Iterator[None]:
                     del _PINS[(store.url, s)]
 
 
+def shard_key(shard: dict[str, Any] | None) -> str:
+    """A distributed tensor's shard description in one comparable form ("" for a whole tensor)."""
+    return "" if shard is None else json.dumps(shard, sort_keys=True, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class Match:
     """Where an unchanged tensor's bytes are stored: a file record (``in_step`` set) and the range in it."""
@@ -74,7 +82,9 @@ class Baseline:
     """The committed step a save may reference: ``step``, and by tensor name its record and where its bytes are."""
 
     step: int
-    tensors: dict[str, tuple[str, tuple[int, ...], int, str, Match]]
+    #: by name: dtype, shape, size, checksum, where the bytes are, and the shard's place (a distributed tensor's
+    #: shard, canonical JSON; "" for a whole tensor)
+    tensors: dict[str, tuple[str, tuple[int, ...], int, str, Match, str]]
     #: every step whose folder holds one of the baseline's files (the baseline's own step included)
     steps: tuple[int, ...]
 
@@ -85,14 +95,15 @@ class Baseline:
 
         files = [f if f.in_step is not None else replace(f, in_step=rm.step, cuts=tuple(segment_ends(rm, k)[1:]))
                  for k, f in enumerate(rm.files)]
-        tensors = {t.name: (t.dtype, t.shape, t.nbytes, t.checksum, Match(files[t.file], t.offset))
-                   for t in rm.tensors if t.checksum and t.shard is None and t.nbytes}
+        tensors = {t.name: (t.dtype, t.shape, t.nbytes, t.checksum, Match(files[t.file], t.offset), shard_key(t.shard))
+                   for t in rm.tensors if t.checksum and t.nbytes}
         return cls(rm.step, tensors, shared_steps(files))
 
-    def match(self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, checksum: str) -> Match | None:
-        """Where the baseline stores these exact bytes, or None."""
+    def match(self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, checksum: str,
+              shard: dict[str, Any] | None = None) -> Match | None:
+        """Where the baseline stores these exact bytes (of a distributed tensor: the same shard of it), or None."""
         hit = self.tensors.get(name)
-        if hit is None or hit[:4] != (dtype, shape, nbytes, checksum):
+        if hit is None or hit[:4] != (dtype, shape, nbytes, checksum) or hit[5] != shard_key(shard):
             return None
         return hit[4]
 
@@ -104,7 +115,7 @@ class Baseline:
                 if read_step_manifest(store, layout.step_dir(s), s) is None:
                     return False
             seen = set()
-            for _d, _s, _n, _c, m in self.tensors.values():
+            for _d, _s, _n, _c, m, _k in self.tensors.values():
                 if m.file.name in seen:
                     continue
                 seen.add(m.file.name)
@@ -128,6 +139,9 @@ class Incremental:
     """
 
     full_every: int | None = None
+    #: this rank and the job's world size: a multi-rank job's rank references its own earlier shard files only
+    rank: int = 0
+    world_size: int = 1
     baseline: Baseline | None = None
     since_full: int = 0
     hash_first: dict[int, bool] = field(default_factory=dict)
@@ -136,13 +150,14 @@ class Incremental:
 
     def baseline_for(self, store: Store, step: int) -> Baseline | None:
         """The baseline a save of ``step`` may reference (None: write it whole). After a restart, the newest
-        committed step of the tier below ``step`` (single-rank) is read once."""
+        committed step of the tier below ``step`` is read once: its rank manifest of this rank, if the step was
+        saved with this job's world size (a resharded restart writes its first step whole)."""
         with self.lock:
             if self.full_every is not None and self.since_full + 1 >= self.full_every:
                 return None
             if self.baseline is None and not self.looked:
                 self.looked = True
-                self.baseline = _newest(store, step)
+                self.baseline = _newest(store, step, self.rank, self.world_size)
             b = self.baseline
         return b if b is not None and b.step < step else None
 
@@ -159,15 +174,23 @@ class Incremental:
             self.since_full = 0 if full else self.since_full + 1
 
 
-def _newest(store: Store, below: int) -> Baseline | None:
-    from .reader import read_manifests  # reader imports this module's users
+def _newest(store: Store, below: int, rank: int = 0, world_size: int = 1) -> Baseline | None:
+    from .reader import read_ranks, read_step  # reader imports this module's users
 
     try:
         steps = sorted((s for s in (layout.parse_step_dir(n) for n in store.list("")) if s is not None and s < below),
                        reverse=True)
-        for s in steps[:1]:
-            manifest, rms = read_manifests(store, s)
-            if manifest.world_size == 1 and len(rms) == 1:
+        for s in steps:
+            try:
+                manifest = read_step(store, s)
+            except CheckpointNotFoundError:
+                continue  # not committed
+            if manifest.world_size != world_size:
+                return None  # saved by another world size (resharded restart): its shards are cut differently
+            if manifest.holds_ranks is not None and rank not in manifest.holds_ranks:
+                continue
+            rms = read_ranks(store, manifest, [rank])
+            if len(rms) == 1 and rms[0].rank == rank:
                 return Baseline.of(rms[0])
     except Exception as exc:  # nothing to reference: the first save is written whole
         log.info("tier %s: no baseline for incremental saves found: %s", store.tier, exc)

@@ -32,19 +32,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StepConflictError, UploadError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, RankRef, StepManifest, shared_steps
 from ..format.shards import mesh_index
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from ..storage.fsspec_store import DEFAULT_PART_SIZE
 from ..storage.local import LocalStore
 from ..storage.retry import RetryPolicy
+from .incremental import Incremental, pins
 from .reader import read_manifests
 from .transfer import TokenBucket, Transfer, TransferFailed, bytes_job, file_job, run_jobs
 from .writer import RankSnapshot, write_rank
@@ -54,17 +56,34 @@ log = logging.getLogger(__name__)
 
 
 def persist_shard(store: LocalStore, snap: RankSnapshot, executor: Executor,
-                  hash_executor: Executor | None = None) -> tuple[RankManifest, RankRef]:
-    """Steps 1-2: this rank's shard durable inside ``step-<N>/``, not yet part of any committed step."""
+                  hash_executor: Executor | None = None,
+                  incremental: Incremental | None = None) -> tuple[RankManifest, RankRef]:
+    """Steps 1-2: this rank's shard durable inside ``step-<N>/``, not yet part of any committed step.
+
+    ``incremental``: reference the unchanged tensors' bytes in this rank's own shard files of an earlier committed
+    step of the node's folder (:mod:`.incremental`); the referenced files stay where they are, only this step's own
+    files move into ``step-<N>/``. The step's references reach its ``manifest.json`` through the commit's
+    agreement (:func:`tierckpt.engine.sharded.persist`)."""
     tmp = layout.tmp_dir(snap.step, snap.save_id, snap.rank)
     folder = layout.step_dir(snap.step)
+    baseline = None if incremental is None or hash_executor is None else incremental.baseline_for(store, snap.step)
     store.makedirs(tmp)
     try:
-        rm, raw, rname = write_rank(store, tmp, snap, executor, hash_executor)
+        with pins(store, () if baseline is None else baseline.steps):
+            if baseline is not None and not baseline.still_stored(store):
+                log.info("tier local: rank %d: step %d written whole: its baseline step %d is no longer stored",
+                         snap.rank, snap.step, baseline.step)
+                baseline = None
+            if incremental is None or baseline is None:
+                rm, raw, rname = write_rank(store, tmp, snap, executor, hash_executor)
+            else:
+                rm, raw, rname = write_rank(store, tmp, snap, executor, hash_executor,
+                                            incremental=(incremental, baseline))
         store.sync_dir(tmp)
         store.makedirs(folder)
         for f in rm.files:
-            store.move_into(join(tmp, f.name), join(folder, f.name))
+            if f.in_step is None:
+                store.move_into(join(tmp, f.name), join(folder, f.name))
         store.move_into(join(tmp, rname), join(folder, rname))
         store.sync_dir(folder)
     finally:
@@ -89,21 +108,23 @@ def discard_shard(store: LocalStore, step: int, rank: int, save_id: str) -> None
         store.remove(folder)
 
 
-def commit_step(store: Store, manifest: StepManifest) -> None:
-    """Steps 4-5 (and the remote commit): ``manifest.json`` last and atomically, then older saves' files go."""
+def commit_step(store: Store, manifest: StepManifest, keep: frozenset[str] = frozenset()) -> None:
+    """Steps 4-5 (and the remote commit): ``manifest.json`` last and atomically, then older saves' files go
+    (``keep``: files of the step named for an earlier save, carried over into its folder by an incremental upload)."""
     folder = layout.step_dir(manifest.step)
     faults.point("before-rename")
     store.put_atomic(join(folder, layout.STEP_MANIFEST), manifest.to_bytes())
     faults.point("after-rename")
-    commit_step_cleanup(store, manifest)
+    commit_step_cleanup(store, manifest, keep)
 
 
-def commit_step_cleanup(store: Store, manifest: StepManifest) -> None:
-    """Remove files in the step folder that belong to another save of the step (by rank held here)."""
+def commit_step_cleanup(store: Store, manifest: StepManifest, keep: frozenset[str] = frozenset()) -> None:
+    """Remove files in the step folder that belong to another save of the step (by rank held here), except the
+    files in ``keep`` (which the step's rank manifests list)."""
     folder = layout.step_dir(manifest.step)
     holds = set(manifest.holds_ranks) if manifest.holds_ranks is not None else None
     for name in store.list(folder):
-        if name == layout.STEP_MANIFEST or f"-{manifest.save_id}." in name:
+        if name == layout.STEP_MANIFEST or f"-{manifest.save_id}." in name or name in keep:
             continue
         rank = _rank_of(name)
         if holds is None or rank in holds:
@@ -116,11 +137,14 @@ def _rank_of(name: str) -> int | None:
     return None
 
 
-def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any) -> tuple[RankRef, dict[str, int]]:
+def upload_shard(local: Store, remote: Store, step: int, rank: int,
+                 **opts: Any) -> tuple[RankRef, dict[str, int], tuple[tuple[int, ...], int]]:
     """Upload this rank's data files and rank manifest into the remote ``step-<N>/`` (no commit: rank 0's job);
-    returns the reference to the rank manifest written (its name, size and checksum) and the size of every file
-    written, by name. No file's size is asked of the store after its PUT: rank 0's one listing of the step folder
-    confirms them all before the commit (:func:`replicate_shards`)."""
+    returns the reference to the rank manifest written (its name, size and checksum), the size of every file
+    written, by name, and the earlier remote steps the shard references with the bytes it holds of them (an
+    incremental shard: a file of an earlier step is referenced where the remote holds this rank's copy of it,
+    else carried over into ``step-<N>/``). No file's size is asked of the store after its PUT: rank 0's one listing
+    of the step folder confirms them all before the commit (:func:`replicate_shards`)."""
 
     threads = opts.get("threads", 4)
     part_size = opts.get("part_size", DEFAULT_PART_SIZE)
@@ -140,11 +164,21 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierckpt-upload-{step}")
     try:
         remote.makedirs(folder)
-        jobs = [(join(folder, rec.name), file_job(local, remote, ctx, rm, i, folder, join(folder, rec.name), part_size,
-                                                   opts.get("compression"), opts.get("compression_level", 3),
-                                                   opts.get("verify", False), check_size=False))
-                for i, rec in enumerate(rm.files)]
-        results = run_jobs(pool, ctx, jobs)
+        shared = _remote_shares(remote, rm)
+        jobs: list[tuple[str, Callable[[], Any]]] = []
+        for i, rec in enumerate(rm.files):
+            rel = join(folder, rec.name)
+            there = shared.get((rec.in_step, rec.name, rec.checksum))
+            if there is not None:  # stored once: the remote's copy of this rank's file of the earlier step
+                there = dataclasses.replace(there, in_step=rec.in_step, cuts=rec.cuts)
+                jobs.append((rel, lambda there=there: (there, 0, 0)))
+                continue
+            jobs.append((rel, file_job(local, remote, ctx, rm, i, folder, rel, part_size, opts.get("compression"),
+                                       opts.get("compression_level", 3), opts.get("verify", False),
+                                       check_size=False)))
+        # an uploaded file is the step's own there, also one carried over from a step the remote lacks
+        results = [(rec if r == 0 and w == 0 and rec.in_step is not None
+                    else dataclasses.replace(rec, in_step=None), r, w) for rec, r, w in run_jobs(pool, ctx, jobs)]
         ctx.sent()
         records = tuple(r[0] for r in results)
         new = dataclasses.replace(rm, files=records) if records != rm.files else rm
@@ -156,7 +190,8 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int, **opts: Any)
                                              check_size=False))])
         ref = RankRef(rank, layout.rank_manifest_name(rank, rm.save_id), len(raw), hashing.digest(raw).hex(),
                       mesh_index(t.shard for t in rm.tensors))
-        return ref, {ref.name: ref.size} | {f.name: f.stored_size or f.size for f in new.files}
+        return (ref, {ref.name: ref.size} | {f.name: f.stored_size or f.size for f in new.files if f.in_step is None},
+                (shared_steps(new.files), new.shared_bytes))
     except TransferFailed as failed:
         raise UploadError(f"rank {rank}: cannot upload its shard: {failed.exc}", step=step, tier=remote.tier,
                           path=f"{remote.url}/{failed.rel}") from failed.exc
@@ -224,7 +259,7 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
         if go["skip"]:
             return False
     try:
-        ref, sizes = upload_shard(local, remote, step, rank, deadline_s=deadline_s, **opts)
+        ref, sizes, held = upload_shard(local, remote, step, rank, deadline_s=deadline_s, **opts)
     except Exception as exc:
         if rank == 0:
             channel.post(f"{attempt}/result", {"ok": False, "error": f"rank 0: {exc}"})
@@ -235,14 +270,15 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
         raise
     if rank != 0:
         channel.post(f"{attempt}/r{rank}", {"ref": [ref.rank, ref.name, ref.size, ref.checksum],
-                                             "mesh": [[k, list(c)] for k, c in ref.mesh], "sizes": sizes})
+                                             "mesh": [[k, list(c)] for k, c in ref.mesh], "sizes": sizes}
+                     | ({"refs": list(held[0]), "shared": held[1]} if held[0] else {}))
         outcome = result()
         channel.withdraw(f"{attempt}/r{rank}")  # rank 0 read it, or gave up on it
         if not outcome["ok"]:
             raise failed(f"the step is not committed remotely: {outcome['error']}")
         return True
     try:
-        final = _commit_reported(remote, manifest, ref, sizes, channel, attempt, deadline_s, retry)
+        final = _commit_reported(remote, manifest, ref, sizes, channel, attempt, deadline_s, retry, held)
     except Exception as exc:
         channel.post(f"{attempt}/result", {"ok": False, "error": str(exc)[:4096]})  # read by every rank: bounded
         raise
@@ -250,6 +286,30 @@ def replicate_shards(local: Store, remote: Store, manifest: StepManifest, rank: 
     log.info("step %d, tier %s: committed %d ranks' shards at %s", step, remote.tier, len(final.ranks),
              f"{remote.url}/{folder}")
     return True
+
+
+def _remote_shares(remote: Store, rm: RankManifest) -> dict[tuple[int | None, str, str], FileRecord]:
+    """The files of this rank's incremental shard ``rm`` that the remote holds, committed, in the earlier step
+    named, with the same name and checksum: each as the remote's record of it (its stored form there). Reads this
+    rank's manifest of each referenced step only (a few: bounded by ``full_every`` and ``keep_local``). A file the
+    remote lacks is carried over, so that the remote copy never depends on a step the remote does not hold."""
+    wanted: dict[int, set[tuple[str, str]]] = {}
+    for f in rm.files:
+        if f.in_step is not None:
+            wanted.setdefault(f.in_step, set()).add((f.name, f.checksum))
+    out: dict[tuple[int | None, str, str], FileRecord] = {}
+    for s, names in sorted(wanted.items()):
+        try:
+            _m, found = read_manifests(remote, s, ranks=[rm.rank])
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            log.info("step %d, tier %s: rank %d: referenced step %d not usable there (%s): its files are carried "
+                     "over", rm.step, remote.tier, rm.rank, s, exc)
+            continue
+        for other in found:
+            for f in other.files:
+                if f.in_step is None and (f.name, f.checksum) in names:
+                    out[(s, f.name, f.checksum)] = f
+    return out
 
 
 def _committed_manifest(remote: Store, folder: str, step: int) -> StepManifest | None:
@@ -260,9 +320,11 @@ def _committed_manifest(remote: Store, folder: str, step: int) -> StepManifest |
 
 
 def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, sizes0: dict[str, int],
-                     channel: CommitChannel, attempt: str,
-                     deadline_s: float | None, retry: RetryPolicy) -> StepManifest:
-    """Rank 0: every rank's reported reference, confirmed by one listing of the step folder, then the commit."""
+                     channel: CommitChannel, attempt: str, deadline_s: float | None, retry: RetryPolicy,
+                     held0: tuple[tuple[int, ...], int] = ((), 0)) -> StepManifest:
+    """Rank 0: every rank's reported reference, confirmed by one listing of the step folder, then the commit.
+    The step manifest's ``refs`` and ``shared_bytes`` are those of the remote copy: every rank's references to
+    earlier remote steps (``held0``: rank 0's), each confirmed committed there right before the commit."""
     step, folder = manifest.step, layout.step_dir(manifest.step)
     names = [f"{attempt}/r{r}" for r in range(1, manifest.world_size)]
     reports = channel.fetch(names, deadline_s, readers=0)  # read in batches; each rank removes its own
@@ -287,9 +349,20 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, sizes
     if wrong:
         raise UploadError(f"the files of rank(s) {wrong} are not on the remote as reported; the step is not "
                           "committed remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
-    final = dataclasses.replace(manifest, ranks=tuple(refs[r] for r in range(manifest.world_size)), holds_ranks=None)
-    faults.point("remote-commit")
-    retry.call(lambda: commit_step(remote, final), what=f"commit {remote.url}/{folder}")  # throttling retried
+    reported = [reports[f"{attempt}/r{r}"] for r in range(1, manifest.world_size)]
+    held = tuple(sorted(set(held0[0]) | {s for rep in reported for s in rep.get("refs", ())}))
+    final = dataclasses.replace(manifest, ranks=tuple(refs[r] for r in range(manifest.world_size)), holds_ranks=None,
+                                refs=held, shared_bytes=held0[1] + sum(rep.get("shared", 0) for rep in reported))
+    with pins(remote, held):  # this process applies the remote's retention: the referenced steps stay
+        gone = [s for s in held if retry.call(lambda s=s: read_step_manifest(remote, layout.step_dir(s), s),
+                                              what=f"read {remote.url}/{layout.step_dir(s)}") is None]
+        if gone:
+            raise UploadError(f"referenced step(s) {gone} are no longer committed remotely; the step is not "
+                              "committed remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+        faults.point("remote-commit")
+        carried = frozenset(n for r in sizes for n in sizes[r] if f"-{manifest.save_id}." not in n)
+        retry.call(lambda: commit_step(remote, final, carried),  # throttling retried
+                   what=f"commit {remote.url}/{folder}")
     return final
 
 

@@ -271,8 +271,8 @@ class _Done(NamedTuple):
 
 def _matches(f: StagedFile, leaves: list[LeafMeta], digests: list[bytes], baseline: Baseline) -> list[Match | None]:
     """For each leaf of ``f`` (file order) where the baseline stores the same bytes, or None."""
-    return [None if leaves[i].shard is not None else
-            baseline.match(leaves[i].name, leaves[i].dtype, leaves[i].shape, leaves[i].nbytes, d.hex())
+    return [baseline.match(leaves[i].name, leaves[i].dtype, leaves[i].shape, leaves[i].nbytes, d.hex(),
+                           leaves[i].shard)
             for i, d in zip(f.leaves, digests[1:])]
 
 
