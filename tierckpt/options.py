@@ -101,7 +101,7 @@ class DistributedOptions:
     collective_timeout_s: float = 600.0
     #: copy each node's committed local step to this many partner nodes (the next ones in a ring of the nodes), kept
     #: there as that node's replica, so that a job that lost a node restores its newest local step (0: off; 1 or 2;
-    #: needs at least ``peer_replicas + 1`` nodes; docs/distributed.md, "Peer copies")
+    #: needs at least ``peer_replicas + 1`` nodes; docs/peer-copies.md)
     peer_replicas: int = 0
 
 
