@@ -542,20 +542,11 @@ def scenario_count2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -
     dist.barrier()
 
 
-def settled_keys(store: Any, expected: int, wait_s: float = 5.0) -> int:
-    """How many keys ``store`` holds once it holds ``expected`` or ``wait_s`` ran out: the last reader of a message
-    may remove it a moment after the other ranks passed the barrier."""
-    deadline = time.monotonic() + wait_s
-    while (n := store.num_keys()) != expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return int(n)
-
-
 def scenario_traffic(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
     """Every rank its own node, a POSIX remote, ``keep_local=1``: ``cfg["steps"]`` saves, a restart with every
     local tier intact, then one with the last rank's node wiped. Each rank's store traffic is counted (requests
     and bytes it sent and received), apart for the agreements and for the upload messages, around the last save
-    and each restart; and the keys the store holds after each."""
+    and each restart; and the keys this rank set and removed by then (the test combines every rank's)."""
     from tierckpt import CheckpointManager
     from tierckpt import distributed as tdist
     from tierckpt.store_client import StoreTraffic, Traffic
@@ -564,17 +555,38 @@ def scenario_traffic(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
     T = cfg["timeout"]
     node, remote = root / f"n{rank}", root / "remote"
     agree, role, upload = Traffic(), Traffic(), Traffic()
+    #: every key this rank's managers set or removed: the test combines every rank's to find the keys left
+    created: set[str] = set()
+    deleted: set[str] = set()
     shared = ("/answer", "/read", "/arrived", "/all")
 
     class Counted(StoreTraffic):
-        """The agreements' keys are tierckpt/m<n>/..., the upload messages' the others (their values, not the polls
-        that wait for them); the removal of an
+        """The agreements' keys are tierckpt/m<n>/..., the upload messages' the others (their values: not the polls
+        that wait for them nor their removal by their last reader); the removal of an
         agreement's shared keys by its last reader (and the key its last arrival sets) count apart, as "role":
         which rank does it varies from run to run."""
 
+        def set(self, key: str, value: bytes | str) -> None:
+            created.add(key)
+            super().set(key, value)
+
+        def add(self, key: str, n: int) -> int:
+            created.add(key)
+            return super().add(key, n)
+
+        def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+            created.update(keys)
+            super().multi_set(keys, values)
+
+        def delete_key(self, key: str) -> bool:
+            deleted.add(key)
+            return super().delete_key(key)
+
         def _count(self, op: str, sent: int, received: int, key: str) -> None:
             if not key.startswith("tierckpt/m"):
-                if op not in ("wait", "check"):  # how often a follower polls for the next decision is timing
+                # how often a follower polls for the next decision, and whether it is the message's last reader
+                # (which removes it), is timing
+                if op not in ("wait", "check", "delete"):
                     upload.add(op, sent, received)
             elif (op == "delete" and key.endswith(shared)) or (op == "set" and key.endswith("/all")):
                 role.add(op, sent, received)
@@ -608,7 +620,7 @@ def scenario_traffic(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
         out["save"] = delta(before)
         mgr.close()
         dist.barrier()
-        out["keys_after_save"] = real.num_keys()
+        out["keys_after_save"] = {"created": sorted(created), "deleted": sorted(deleted)}
         for name in ("restart", "wiped"):
             if name == "wiped" and rank == world - 1:
                 shutil.rmtree(node)
@@ -618,7 +630,7 @@ def scenario_traffic(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) 
                 out[f"{name}_restore"] = restore_into_empty(mgr, rank)
                 out[name] = delta(before)
             dist.barrier()
-            out[f"keys_after_{name}"] = settled_keys(real, out["keys_after_save"])
+            out[f"keys_after_{name}"] = {"created": sorted(created), "deleted": sorted(deleted)}
         return out
 
     rec.phase("traffic", run)
