@@ -105,9 +105,16 @@ def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
 
 
 def test_rank_0s_node_lost_while_the_remote_is_down_restores_from_the_replica(tmp_path: Path) -> None:
-    launch("save", "save-a", tmp_path, steps=[1, 2])
-    shutil.rmtree(tmp_path / "A")  # rank 0's node: it alone lists the remote, which refuses
+    """The remote refuses every connection throughout: the saves reach the local tiers and the partners' replicas
+    all the same (their uploads fail), rank 0's node is lost, and the restart restores the newest step."""
     options = {"storage_options": {"client_kwargs": {"endpoint_url": refused_url()}, "key": "k", "secret": "s"}}
+    saved = launch("save", "save-a", tmp_path, steps=[1, 2], remote="s3://bucket/run", options=options)
+    for rec in saved.phases("save"):
+        assert rec["persisted"] == [True, True] and rec["failures"] == 0, rec
+        assert rec["wait_error"]["type"] == "UploadError", rec  # the remote is down: nothing reached it
+    assert {rec["pushed"] for rec in saved.phases("save")} >= {2}  # each node leader copied step 2 to its partner
+    assert replica(tmp_path / "B", 0, 2).is_dir() and replica(tmp_path / "A", 1, 2).is_dir()
+    shutil.rmtree(tmp_path / "A")  # rank 0's node: it alone lists the remote, which refuses
     restored = launch("restore", "restore-a", tmp_path, remote="s3://bucket/run", options=options)
     for rank, rec in enumerate(restored.phases("restore")):
         assert rec["step"] == 2, rec
