@@ -644,21 +644,24 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    scenario, rank, cfg_path = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+def run_worker(jobs: dict[str, Any], *, result_name: str | None = None) -> None:
+    """A rank's process: ``python WORKER JOB RANK CONFIG`` joins the gloo group of the config's store, runs
+    ``jobs[JOB]`` and records into ``result-<result_name or JOB>-r<rank>.json`` under the config's root."""
+    import datetime
+
+    job, rank, cfg_path = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     cfg = json.loads(cfg_path.read_text())
     world = cfg["world"]
     torch.set_num_threads(1)
-    import datetime
-
     dist.init_process_group("gloo", init_method=cfg["store"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg["timeout"] * 3))
     spy_on_loads()
-    rec = Recorder(Path(cfg["root"]) / f"result-{scenario}-r{rank}.json")
-    SCENARIOS[scenario](rank, world, cfg, rec)
+    name = cfg[result_name] if result_name else job
+    rec = Recorder(Path(cfg["root"]) / f"result-{name}-r{rank}.json")
+    jobs[job](rank, world, cfg, rec)
     rec.put("done", True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(SCENARIOS)

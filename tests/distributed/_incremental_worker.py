@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tests.distributed._dist_worker import Recorder, flip_byte
+from tests.distributed._dist_worker import Recorder, flip_byte, run_worker
 
 #: the DTensor placements the state is saved with
 SPECS = {"base": "S0", "emb": "R", "adapter": "S0"}
@@ -141,20 +140,5 @@ def scenario_inc2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> 
         dist.barrier()
 
 
-def main() -> None:
-    import datetime
-
-    scenario, rank, cfg_path = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    cfg = json.loads(cfg_path.read_text())
-    world = cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=cfg["store"], rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg["timeout"] * 3))
-    rec = Recorder(Path(cfg["root"]) / f"result-{scenario}-r{rank}.json")
-    {"inc2": scenario_inc2}[scenario](rank, world, cfg, rec)
-    rec.put("done", True)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_worker({"inc2": scenario_inc2})

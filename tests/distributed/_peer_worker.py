@@ -8,16 +8,12 @@ records the step, the state and where this rank's shard came from. Ranks meet on
 
 from __future__ import annotations
 
-import datetime
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from tests.distributed._dist_worker import LOADS, Recorder, empty_state, err, make_state, spy_on_loads, summarize
+from tests.distributed._dist_worker import LOADS, Recorder, empty_state, err, make_state, run_worker, summarize
 
 
 def node_root(root: Path, rank: int, world: int) -> Path:
@@ -90,19 +86,5 @@ def job_one_node(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> N
 JOBS = {"save": job_save, "restore": job_restore, "one_node": job_one_node}
 
 
-def main() -> None:
-    job, rank, cfg_path = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    cfg = json.loads(cfg_path.read_text())
-    world = cfg["world"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=cfg["store"], rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg["timeout"] * 3))
-    spy_on_loads()
-    rec = Recorder(Path(cfg["root"]) / f"result-{cfg['name']}-r{rank}.json")
-    JOBS[job](rank, world, cfg, rec)
-    rec.put("done", True)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_worker(JOBS, result_name="name")
