@@ -80,7 +80,8 @@ class LoadResult:
 
     Attributes:
         step: the step that was loaded.
-        tier: the tier its bytes came from: ``"local"`` or ``"remote"``.
+        tier: the tier its bytes came from: ``"memory"`` (this rank's memory copy, ``memory_tier=True``),
+            ``"local"`` or ``"remote"``.
         state: the saved state (only the selected top-level keys with ``keys=``) as plain values: nested
             dicts/lists/tuples of CPU tensors, numpy arrays and Python values, each stateful object (a module, an
             optimizer) as its ``state_dict()`` tree.
@@ -103,16 +104,15 @@ def load(eng: Readers, step: int | None, tiers: list[Store], *, keys: Sequence[s
     Raises :class:`CheckpointNotFoundError` when no tier holds a step (or ``step``), or every copy went missing
     while it was read; :class:`CorruptCheckpointError` when copies exist but none verifies;
     :class:`StateMismatchError` (a ``KeyError``) for a key of ``keys`` the step does not hold."""
-    s, store, (state, metadata) = first_intact(
-        lambda store, s: load_copy(eng, store, s, keys), tiers, listing.steps, step, what="load",
-        skip=(CorruptCheckpointError, CheckpointNotFoundError), verb="loads")
-    return LoadResult(s, store.tier, state, metadata)
+    s, _store, (tier, state, metadata) = first_intact(
+        lambda store, s: _load_served(eng, store, s, keys), tiers, listing.steps, step, what="load",
+        skip=(CorruptCheckpointError, CheckpointNotFoundError), verb="loads", tier_of=lambda out: out[0])
+    return LoadResult(s, tier, state, metadata)
 
 
-def load_copy(eng: Readers, store: Store, step: int, keys: Sequence[str] | None) -> tuple[dict, Any]:
-    """This rank's saved tree of ``step`` in ``store`` (rank 0's where the saving job had fewer ranks, as restore
-    does) as plain values, and its metadata. Raises :class:`CorruptCheckpointError` or
-    :class:`CheckpointNotFoundError` for this copy, :class:`StateMismatchError` for a key it does not hold."""
+def _load_served(eng: Readers, store: Store, step: int, keys: Sequence[str] | None) -> tuple[str, dict, Any]:
+    """:func:`load_copy`, and the tier that served the bytes: ``"memory"`` where this rank's memory copy of the
+    local tier's ``step`` was intact (tried first), else ``store``'s."""
     pool = getattr(eng, "pool", None)
     if pool is not None and pool.memory is not None and store is getattr(eng, "local", None):
         def from_memory(mem: MemoryStore, _disk: Any) -> tuple[dict, Any]:  # this rank's memory copy first
@@ -121,9 +121,16 @@ def load_copy(eng: Readers, store: Store, step: int, keys: Sequence[str] | None)
             finally:
                 mem.close()  # the values are fresh tensors: nothing refers to the mapping
 
-        found = try_memory(pool.memory, store, step, None, from_memory, eng.rank, pool.hold)
+        found = try_memory(pool.memory, store, step, None, from_memory, eng.rank, pool.hold, what="load")
         if found is not None:
-            return found  # type: ignore[return-value]
+            return (MemoryStore.tier, *found)  # type: ignore[misc]
+    return (store.tier, *load_copy(eng, store, step, keys))
+
+
+def load_copy(eng: Readers, store: Store, step: int, keys: Sequence[str] | None) -> tuple[dict, Any]:
+    """This rank's saved tree of ``step`` in ``store`` (rank 0's where the saving job had fewer ranks, as restore
+    does) as plain values, and its metadata. Raises :class:`CorruptCheckpointError` or
+    :class:`CheckpointNotFoundError` for this copy, :class:`StateMismatchError` for a key it does not hold."""
     manifest = read_step(store, step)
     src = eng.rank if eng.rank < manifest.world_size else 0
     rms = read_ranks(store, manifest, [src])

@@ -84,11 +84,13 @@ def restore(eng: Engine, state: MutableMapping[str, Any], step: int | None, tier
     if step is None and not listing.known():
         return None
 
-    def attempt(store: Store, s: int) -> None:
-        prepare(eng, store, s, state, strict, in_place=in_place).apply()
+    def attempt(store: Store, s: int) -> str:
+        prepared = prepare(eng, store, s, state, strict, in_place=in_place)
+        prepared.apply()
+        return prepared.tier
 
     found, _store, _ = first_intact(attempt, tiers, listing.steps, step, what="restore",
-                                    suffix=_overwritten(in_place))
+                                    suffix=_overwritten(in_place), tier_of=str)
     return found
 
 
@@ -100,9 +102,12 @@ def _overwritten(in_place: bool) -> str:
 class Prepared:
     """A step read and verified into a buffer, not yet applied: ``apply()`` loads it into the state (once),
     ``release()`` gives the buffer back (always; idempotent). A guarded restore's ``undo`` puts the tensors'
-    old bytes back on a release without ``apply`` (the other ranks could not load the step)."""
+    old bytes back on a release without ``apply`` (the other ranks could not load the step). ``tier``: the tier
+    whose bytes were read (``"memory"`` for a memory copy of a local step)."""
 
-    def __init__(self, release: Callable[[], None], run: Callable[[], None], undo: UndoLog | None = None) -> None:
+    def __init__(self, release: Callable[[], None], run: Callable[[], None], undo: UndoLog | None = None, *,
+                 tier: str = "") -> None:
+        self.tier = tier
         self._release: Callable[[], None] | None = release
         self._run = run
         self._undo = undo
@@ -258,7 +263,7 @@ def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any
         if cache:
             _cache_locally(eng.local, manifest, rm, views)
 
-    prepared = Prepared(holder["release"], run, undo)
+    prepared = Prepared(holder["release"], run, undo, tier=store.tier)
     try:
         assembled = _assemble_dtensors(eng, store, manifest, plan.dtensor_targets, own=(src, rm, raw),
                                        complete=given is None)

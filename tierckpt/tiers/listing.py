@@ -173,12 +173,14 @@ def list_tiers(tiers: list[Store], *, deadline_s: float | None) -> TierListings:
 
 def first_intact(attempt: Callable[[Store, int], T], tiers: list[Store], steps: dict[str, set[int]],
                  step: int | None, *, what: str, skip: tuple[type[CheckpointError], ...] = (CorruptCheckpointError,),
-                 verb: str = "verifies", suffix: str = "") -> tuple[int, Store, T]:
+                 verb: str = "verifies", suffix: str = "",
+                 tier_of: Callable[[T], str] | None = None) -> tuple[int, Store, T]:
     """Walk the copies of the newest step (or exactly ``step``) in ``tiers`` order, then the older steps, until
     ``attempt(store, step)`` returns: the rule restore, load and export share. A copy whose attempt raises one of
     ``skip`` is logged (``what`` names the caller; the files at fault) and the next copy is tried.
 
     ``steps``: the committed steps of each tier (by tier name). Returns (step, store, what ``attempt`` returned).
+    ``tier_of``: the tier that served an attempt's result, for the log line (a faster copy than ``store``'s).
     Raises :class:`CheckpointNotFoundError` when no tier holds a step (or ``step``), or every copy went missing;
     :class:`CorruptCheckpointError` when copies exist but none succeeds (its message ends with ``suffix``)."""
     held = {store.tier: steps.get(store.tier, set()) for store in tiers}
@@ -200,11 +202,12 @@ def first_intact(attempt: Callable[[Store, int], T], tiers: list[Store], steps: 
                 log.warning("%s: step %d in tier %s is %s (%s); files: %s; trying the next copy", what, s,
                             store.tier, kind, exc, ", ".join(getattr(exc, "bad_files", ())) or "?")
                 continue
+            served = store.tier if tier_of is None else tier_of(out)
             if failures:
-                log.warning("%s: step %d from tier %s (%s) after skipping %d copies", what, s, store.tier, store.url,
+                log.warning("%s: step %d from tier %s (%s) after skipping %d copies", what, s, served, store.url,
                             len(failures))
             else:
-                log.info("%s: step %d from tier %s (%s)", what, s, store.tier, store.url)
+                log.info("%s: step %d from tier %s (%s)", what, s, served, store.url)
             return s, store, out
         if step is not None:
             if not holders:

@@ -548,32 +548,33 @@ class MemoryStore(Store):
 
 def try_memory(memory: MemoryTier, local: Store, step: int, given: StepManifest | None,
                load: Callable[[MemoryStore, StepManifest], object], src: int,
-               hold: Callable[[int], Callable[[], None] | None]) -> object | None:
+               hold: Callable[[int], Callable[[], None] | None], *, what: str = "restore") -> object | None:
     """``load(store, manifest)`` from this rank's memory copy of ``step`` (the step already chosen from the local
     tier), where there is one of the same save as the local copy; None (logged: step, tier, path) where there is
     none, it is of another save, or it fails verification, so that the caller reads the local disk. What ``load``
     raises for any other reason (a state that does not match the checkpoint) is raised. ``hold(slot)`` keeps saves
     of this process off the slot until the store is closed (None: a save holds it). ``load`` must close the store
-    once done with its bytes (a restore's staging buffer does, on release); it is closed here if ``load`` raises."""
+    once done with its bytes (a restore's staging buffer does, on release); it is closed here if ``load`` raises.
+    ``what``: the caller, in the log lines (``"restore"`` or ``"load"``)."""
     from ..errors import CheckpointNotFoundError, CorruptCheckpointError
     from .reader import read_step
 
     copy = memory.find(step)
     if copy is None:
-        log.info("restore: step %d is not in tier memory (%s): reading the local disk", step, memory.dir)
+        log.info("%s: step %d is not in tier memory (%s): reading the local disk", what, step, memory.dir)
         return None
     try:
         disk = given if given is not None else read_step(local, step)
         ref = next((r for r in disk.ranks if r.rank == src), None)
         if ref is None or src != memory.rank or ref.name != copy.rank_manifest_name \
                 or ref.checksum != hashing.digest(copy.rank_manifest).hex():
-            log.warning("restore: step %d in tier memory (%s) is another save than the local copy: reading the "
-                        "local disk", step, copy.path)
+            log.warning("%s: step %d in tier memory (%s) is another save than the local copy: reading the "
+                        "local disk", what, step, copy.path)
             return None
         release = hold(copy.slot)
         if release is None:
-            log.info("restore: step %d in tier memory (%s) is being overwritten by a save: reading the local disk",
-                     step, copy.path)
+            log.info("%s: step %d in tier memory (%s) is being overwritten by a save: reading the local disk",
+                     what, step, copy.path)
             return None
         try:
             store = MemoryStore(copy, on_close=release)
@@ -581,20 +582,20 @@ def try_memory(memory: MemoryTier, local: Store, step: int, given: StepManifest 
             release()
             raise
     except (OSError, CheckpointError, StopIteration) as exc:
-        log.warning("restore: step %d in tier memory (%s) cannot be read (%s): reading the local disk", step,
+        log.warning("%s: step %d in tier memory (%s) cannot be read (%s): reading the local disk", what, step,
                     copy.path, exc)
         return None
     try:
         out = load(store, disk)
     except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
         store.close()
-        log.warning("restore: step %d in tier memory (%s) is corrupt or incomplete (%s; files: %s): reading the "
-                    "local disk", step, copy.path, exc, ", ".join(getattr(exc, "bad_files", ())) or "?")
+        log.warning("%s: step %d in tier memory (%s) is corrupt or incomplete (%s; files: %s): reading the "
+                    "local disk", what, step, copy.path, exc, ", ".join(getattr(exc, "bad_files", ())) or "?")
         return None
     except BaseException:
         store.close()
         raise
-    log.info("restore: step %d from tier memory (%s)", step, copy.path)
+    log.info("%s: step %d from tier memory (%s)", what, step, copy.path)
     memory.restored.append(step)
     return out
 
