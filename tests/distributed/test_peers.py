@@ -97,11 +97,25 @@ def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
         assert rec["state"] == summarize(make_state(rank, 3))  # every value, bit for bit (float32 -> JSON exact)
         tiers = {tier for tier, _ in rec["loads"]}
         assert tiers == ({"local"} if rank < 2 else {"peer"}), rec["loads"]
-        assert rec["fetched"] == ([] if rank < 2 else ["step-0000000003"])
-    # B's ranks fetched only their own shard
-    fetched = sorted(p.name for p in (root / "B" / "replicas" / ".fetch-r00002" / "step-0000000003").iterdir())
-    assert fetched[0] == "manifest.json" and len(fetched) == 3
-    assert all(n.startswith("r00002-") for n in fetched[1:])
+        assert rec["fetched"] == [], rec  # what a rank fetched went into the local tier, nothing is left behind
+
+
+def test_the_fetched_shards_are_committed_back_into_the_replaced_nodes_local_tier(
+        lost_node: tuple[Path, Ranks, Ranks], capsys: pytest.CaptureFixture[str]) -> None:
+    """B's ranks each fetched only their own shard; each moved it into B's own step folder, and the last one wrote
+    the step's manifest.json: B holds step 3 again as its own save left it, so the next restart (or retention)
+    reads it from the local tier."""
+    root = lost_node[0]
+    own = step_folder(root / "B", 3)
+    assert (own / "manifest.json").read_bytes() == (replica(root / "A", 1, 3) / "manifest.json").read_bytes()
+    names = sorted(p.name for p in own.iterdir())
+    assert names == sorted(p.name for p in replica(root / "A", 1, 3).iterdir())  # the layout of B's own save
+    assert {n[:6] for n in names if n != "manifest.json"} == {"r00002", "r00003"}
+    assert not (root / "B" / "replicas" / ".fetch-r00002").exists()
+    assert not (root / "B" / "replicas" / ".fetch-r00003").exists()
+    assert cli.main(["verify", "--json", str(root / "B")]) == 0  # every byte, against the manifests
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["ok"], r["ranks"], r["extra_files"]) for r in doc["steps"]] == [(3, True, [2, 3], [])], doc
 
 
 def test_rank_0s_node_lost_while_the_remote_is_down_restores_from_the_replica(tmp_path: Path) -> None:
@@ -120,6 +134,9 @@ def test_rank_0s_node_lost_while_the_remote_is_down_restores_from_the_replica(tm
         assert rec["step"] == 2, rec
         assert rec["state"] == summarize(make_state(rank, 2))
         assert [t for t, _ in rec["loads"]] == (["peer"] if rank < 2 else ["local"]), rec["loads"]
+    # A's ranks committed what they fetched back into A's own folder
+    assert (step_folder(tmp_path / "A", 2) / "manifest.json").read_bytes() == \
+        (replica(tmp_path / "B", 0, 2) / "manifest.json").read_bytes()
 
 
 def test_a_job_on_one_node_is_told_peer_copies_need_another_node(tmp_path: Path) -> None:

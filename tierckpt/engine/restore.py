@@ -37,7 +37,7 @@ from ..format import hashing, layout
 from ..format.manifest import RankManifest, RankRef, StepManifest, file_rel
 from ..format.shards import UnknownPlacement, mesh_key, overlaps, saved_box
 from ..snapshot import hostcopy
-from ..snapshot.dtensor import assemble, saved_layouts, target_box, to_live_layout
+from ..snapshot.dtensor import assemble, index_layouts, saved_layouts, target_box, to_live_layout
 from ..snapshot.load import plan_restore
 from ..snapshot.loaded import LoadedBuffer, byte_view, tensor_view_factory
 from ..snapshot.staging import aligned_empty
@@ -46,6 +46,7 @@ from ..storage.commit import protocol_for
 from ..tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from ..tiers.listing import TierListings, first_intact
 from ..tiers.memory import MemoryStore, try_memory
+from ..tiers.sharded import indexed_rank_manifests
 from ..tiers.reader import PendingLoad, buffer_layout, fetch_file, read_ranks, read_step, start_load
 from ..tiers.undo import UndoLog
 
@@ -262,6 +263,8 @@ def prepare(eng: Engine, store: Store, step: int, state: MutableMapping[str, Any
                    loaded=loaded)
         if cache:
             _cache_locally(eng.local, manifest, rm, views)
+        elif store.tier == "peer" and eng.peers is not None:  # a replaced node's shard: the node's own step again
+            eng.peers.adopt(step)
 
     prepared = Prepared(holder["release"], run, undo, tier=store.tier)
     try:
@@ -329,7 +332,8 @@ def _cache_locally(local: Store, manifest: StepManifest, rm: RankManifest, views
         return
     protocol = protocol_for(local)
     # every file is written into the cached step's own folder, those an incremental step referenced included
-    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, compression=None, stored_size=None, in_step=None)
+    plain = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, name=layout.plain_name(f.name), compression=None,
+                                                                    stored_size=None, in_step=None)
                                                 for f in rm.files))
     raw = plain.to_bytes()
     name = layout.rank_manifest_name(rm.rank, rm.save_id)
@@ -382,6 +386,10 @@ def _assemble_dtensors(eng: Engine, store: Store, manifest: StepManifest,
                  if rec.shard is not None and rec.path in targets}
     if all(own_boxes.get(path) == target_box(live)[1:] for path, (live, _c, _g) in targets.items()):
         # the same sharding as when saved: this rank's own shards are its targets (O(1) requests a rank)
+        return _assembled(targets, manifests, src, own_raw, manifest.step)
+    # resharding: the step's shard index names the ranks to read, O(1) bytes a rank (tiers.sharded)
+    layouts = index_layouts(own_rm, targets)
+    if layouts is not None and indexed_rank_manifests(tiers, manifest, layouts, manifests, step_manifest_of):
         return _assembled(targets, manifests, src, own_raw, manifest.step)
     # every rank of the step (a node's copy lists only its own ranks: then the remote's manifest lists them all)
     listing = next((m for m in (step_manifest_of(t) for t in tiers) if m is not None

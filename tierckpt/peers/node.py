@@ -257,6 +257,17 @@ class Peers:
                                      tier="peer", path=self.url)
 
 
+    def adopt(self, step: int) -> None:
+        """A restore read and verified this rank's shard of ``step`` from its fetched copy and applied it: commit it
+        into the node's local tier (:func:`.replicas.commit_fetched`), so that the next restart and retention see
+        the step as the node's own. Never raises: a failure only logs (the restore succeeded)."""
+        try:
+            replicas.commit_fetched(self.local, step, self.rank)
+        except Exception as exc:  # noqa: BLE001 - the restore stands; the next restart fetches again
+            log.warning("tier peer: rank %d could not commit its fetched shard of step %d into the local tier %s: %s",
+                        self.rank, step, self.local.url, exc)
+
+
 class _Connection:
     """A connected socket and the server's token, closed on leaving the ``with`` block."""
 

@@ -6,6 +6,13 @@ Layout, in the local root of the node that holds them::
     replicas/node-<k>/.tmp-step-<N>-<id>/ a replica being received (never read; removed at start-up)
     replicas/.fetch-r<rank>/step-<N>/...  the shard a replaced node's rank fetched back from a partner
 
+A rank that restored its shard from a fetched copy commits it back into the node's own local tier
+(:func:`commit_fetched`), in the layout of the node's own saves: its files move into ``step-<N>/`` (data files
+first, its rank manifest last, then the folder is fsync-ed), and the rank that finds every rank manifest the fetched
+``manifest.json`` names in place writes that ``manifest.json`` (a temporary name, one rename, fsync): so the step
+is committed only once every rank of the node has moved its shard, whichever rank comes last, and a rank that never
+restored from the replica leaves the folder uncommitted (never a checkpoint).
+
 A replica is committed the way a local step is: every file is received, checked against the sender's checksum
 and fsync-ed inside a temporary folder, and one ``rename`` gives it its ``step-<N>`` name (then the parent folder
 is fsync-ed). A folder named ``step-<N>`` always holds a whole copy with its ``manifest.json``; a transfer killed
@@ -20,7 +27,11 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from ..format import layout
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format import hashing, layout
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..storage.base import join
+from ..storage.local import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +136,56 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fetch_rel(rank: int, step: int) -> str:
+    """The folder of rank ``rank``'s fetched copy of ``step``, relative to the local root."""
+    return f"{ROOT}/.fetch-r{rank:05d}/{layout.step_dir(step)}"
+
+
+def commit_fetched(local: LocalStore, step: int, rank: int) -> bool:
+    """Commit rank ``rank``'s shard of ``step``, fetched from a partner and already read and verified by a
+    restore, into the local tier as the node's own step (see the module docstring); returns whether this call
+    committed the step's ``manifest.json``. Where the local tier already holds a committed ``step``, only a copy of
+    the same save (the same ``manifest.json``) is repaired with the fetched files; another save is left alone. The
+    fetched folder is removed. Raises ``OSError`` or :class:`CheckpointError` (the caller logs: the restore itself
+    succeeded)."""
+    src = fetch_rel(rank, step)
+    folder = layout.step_dir(step)
+    try:
+        raw = local.read_bytes(join(src, layout.STEP_MANIFEST), max_size=MAX_MANIFEST_BYTES)
+        manifest = StepManifest.from_bytes(raw, step=step, path=local.path(src))
+        ref = next((r for r in manifest.ranks if r.rank == rank), None)
+        if ref is None:
+            raise CorruptCheckpointError(f"the fetched manifest.json names no shard of rank {rank}", step=step)
+        rank_raw = local.read_bytes(join(src, ref.name), max_size=MAX_MANIFEST_BYTES)
+        if hashing.digest(rank_raw).hex() != ref.checksum:
+            raise CorruptCheckpointError(f"{ref.name} does not match the fetched manifest.json", step=step)
+        rm = RankManifest.from_bytes(rank_raw, step=step, path=local.path(join(src, ref.name)))
+        if any(f.in_step is not None for f in rm.files):
+            raise CheckpointError("the fetched shard references earlier steps' files", step=step)
+        try:
+            have: bytes | None = local.read_bytes(join(folder, layout.STEP_MANIFEST), max_size=MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            have = None
+        if have is not None and have != raw:
+            log.info("tier peer: rank %d: the local tier holds another save of step %d (%s): the fetched copy is not "
+                     "committed there", rank, step, local.path(folder))
+            return False
+        local.makedirs(folder)
+        for f in rm.files:  # data files first, the rank manifest last: present, it says the shard is whole
+            local.move_into(join(src, f.name), join(folder, f.name))
+        local.move_into(join(src, ref.name), join(folder, ref.name))
+        local.sync_dir(folder)
+        if have is not None:
+            return False
+        present = set(local.list(folder))
+        if not all(r.name in present for r in manifest.ranks):
+            return False  # a rank of the node still moving its shard commits the step
+        local.put_atomic(join(folder, layout.STEP_MANIFEST), raw)
+        log.info("tier peer: step %d, fetched from a partner, committed into the local tier %s", step,
+                 local.path(folder))
+        return True
+    finally:
+        remove_tree(os.path.dirname(local.path(src)))
+
