@@ -30,7 +30,8 @@ def local(make_store):
 
 
 def _remote_files(remote, step):
-    """{data file name: bytes as restored through fetch_file} of a committed remote step, checksums verified."""
+    """{data file name (as in the local tier): bytes as restored through fetch_file} of a committed remote step,
+    checksums verified."""
     manifest, rms = read_manifests(remote, step)
     out = {}
     for rm in rms:
@@ -40,7 +41,9 @@ def _remote_files(remote, step):
             check = bytearray(rec.size)
             read_file_into(remote, rm, i, memoryview(check))  # the reader's own path: hashes every byte
             assert check == buf
-            out[rec.name] = bytes(buf)
+            # an object store holds each data file under its fan-out name, a POSIX remote under the local one
+            assert rec.name == layout.stored_name(rec.name, remote.spread_keys)
+            out[layout.plain_name(rec.name)] = bytes(buf)
     return manifest, rms, out
 
 
@@ -62,6 +65,10 @@ def test_replicate_round_trip(make_store, local, kind, compression):
         assert res.bytes_written < res.bytes_read // 10  # zeros compress
         assert manifest.ranks != built.manifest.ranks  # re-sealed with the new rank manifest
         assert [r.checksum for r in rms[0].files] == [r.checksum for r in built.rank_manifest.files]
+    elif remote.spread_keys:  # the same files under their fan-out names: the manifests re-sealed with them
+        assert [r.name for r in rms[0].files] == [layout.spread_name(r.name) for r in built.rank_manifest.files]
+        assert rms[0].tensors == built.rank_manifest.tensors and manifest.save_id == built.manifest.save_id
+        assert res.bytes_written == res.bytes_read
     else:
         assert rms[0] == built.rank_manifest and manifest == built.manifest
         assert res.bytes_written == res.bytes_read

@@ -189,7 +189,8 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
     from ..tiers.stream import stream_file
 
     rec = rm.files[index]
-    w = local.open_write(join(staging, rec.name), size_hint=rec.size)
+    name = layout.plain_name(rec.name)  # the local tier's name: without an object store's fan-out tag
+    w = local.open_write(join(staging, name), size_hint=rec.size)
 
     def sink(view: memoryview) -> None:
         w.write(view)
@@ -204,7 +205,7 @@ def _pull_file(remote: Store, local: Store, rm: RankManifest, index: int, stagin
         w.abort()
         raise
     # a file an incremental step references in an earlier step's folder is carried into the pulled step's own
-    return dataclasses.replace(rec, compression=None, stored_size=None, in_step=None)
+    return dataclasses.replace(rec, name=name, compression=None, stored_size=None, in_step=None)
 
 
 def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,

@@ -14,6 +14,10 @@ on those flags, never on the store's type:
   file chunk after chunk (a local disk, whose kernel reads ahead by itself); an object store, where every read is a
   request with a round trip, says more. :meth:`Store.readinto` must then be safe to call from several threads at once.
 - ``exclusive_create``: :meth:`Store.create_exclusive` is atomic (POSIX hard links, S3 conditional PUTs).
+- ``spread_keys``: data files are stored under names that start with a fan-out tag
+  (:func:`~tierckpt.format.layout.spread_name`), so that a step's data objects spread over many key prefixes
+  (object stores, which rate-limit requests per prefix). The manifests name each file as stored, so readers need
+  not know the flag.
 
 Writing a step (see :mod:`.commit` for the exact order): ``makedirs`` → per data file ``open_write`` / ``write`` /
 ``close`` → ``write_bytes`` of each rank manifest → ``write_bytes`` of ``manifest.json`` → commit protocol.
@@ -80,6 +84,7 @@ class Store(abc.ABC):
     direct_reads: bool = False
     read_concurrency: int = 1
     exclusive_create: bool = False
+    spread_keys: bool = False
 
     # --- listing and reading -------------------------------------------------------------------------------
     @abc.abstractmethod

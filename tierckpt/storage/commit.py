@@ -16,7 +16,8 @@ capabilities (:func:`protocol_for`):
     1. write every file straight into ``step-<N>/`` under names carrying this save's id (so they never overwrite the
        files an older ``manifest.json`` there points to);
     2. PUT ``manifest.json``: the commit point, atomic on S3/GCS/Azure;
-    3. delete files in the folder the new manifest does not name (an older save's).
+    3. delete files in the folder the new manifest does not name (an older save's; a file of an earlier save that
+       a rank manifest names, carried over by an incremental upload, stays).
     A crash before 2 leaves files that no manifest names: a folder without ``manifest.json`` is never a checkpoint,
     and :meth:`recover` removes stray files.
 """
@@ -27,8 +28,8 @@ import abc
 import logging
 
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
-from ..format import layout
-from ..format.manifest import MAX_MANIFEST_BYTES, StepManifest
+from ..format import hashing, layout
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
 from .base import Store, join
 
 log = logging.getLogger(__name__)
@@ -147,15 +148,37 @@ class ManifestLastCommit(CommitProtocol):
             keep = {layout.STEP_MANIFEST} | {r.name for r in manifest.ranks}
             # data files are named after the save id; the rank manifests name them exactly, but a prefix match on the
             # save id keeps this independent of reading every rank manifest.
+        doomed = [name for name in store.list(folder)
+                  if name not in keep and (manifest is None or f"-{manifest.save_id}." not in name)]
+        if doomed and manifest is not None:  # an earlier save's file carried over into this step stays
+            doomed = [name for name in doomed if name not in _named_files(store, folder, manifest)]
         removed = []
-        for name in store.list(folder):
-            if name in keep or (manifest is not None and f"-{manifest.save_id}." in name):
-                continue
+        for name in doomed:
             store.remove(join(folder, name))
             removed.append(f"removed {folder}/{name}")
         if manifest is None and not store.list(folder):
             store.remove(folder)
         return removed
+
+
+def _named_files(store: Store, folder: str, manifest: StepManifest) -> set[str]:
+    """The data files the rank manifests of committed ``manifest`` name in its own folder (read only where the
+    folder holds files of another save: an incremental upload carries an earlier save's file over under its own
+    name). CorruptCheckpointError when a rank manifest does not match its reference: nothing is removed then."""
+    names: set[str] = set()
+    for ref in manifest.ranks:
+        rel = join(folder, ref.name)
+        try:
+            raw = store.read_bytes(rel, max_size=ref.size)
+        except (FileNotFoundError, CheckpointError) as exc:
+            raise CorruptCheckpointError(f"rank manifest {ref.name} unreadable: {exc}", step=manifest.step,
+                                         tier=store.tier, path=f"{store.url}/{rel}", bad_files=[ref.name]) from None
+        if len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum:
+            raise CorruptCheckpointError(f"rank manifest {ref.name} does not match manifest.json", step=manifest.step,
+                                         tier=store.tier, path=f"{store.url}/{rel}", bad_files=[ref.name])
+        rm = RankManifest.from_bytes(raw, step=manifest.step, path=f"{store.url}/{rel}", digest_verified=True)
+        names.update(f.name for f in rm.files if f.in_step is None)
+    return names
 
 
 def protocol_for(store: Store) -> CommitProtocol:

@@ -207,6 +207,7 @@ class FaultyStore(Store):
         self.atomic_rename = inner.atomic_rename
         self.parallel_writes = inner.parallel_writes
         self.exclusive_create = inner.exclusive_create
+        self.spread_keys = inner.spread_keys
         self.local_path = inner.local_path if keep_local_path else None
 
     @property

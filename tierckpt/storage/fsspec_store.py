@@ -202,6 +202,8 @@ class FsspecStore(Store):
     atomic_rename = False
     local_path = None
     parallel_writes = True
+    #: request rates are limited per key prefix (S3: 3,500 writes and 5,500 reads per second)
+    spread_keys = True
 
     def __init__(
         self,

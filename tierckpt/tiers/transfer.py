@@ -5,7 +5,9 @@ writing. :mod:`.uploader` replicates whole steps with them; :mod:`.sharded` uplo
 Invariants: every job of a step shares one :class:`Transfer`, so the first failure, the deadline or a cancel stops
 them all (:func:`run_jobs` raises :class:`TransferFailed` naming the file); a job retries transient errors per
 file; a file is only ever written under the name the caller gives (a staging name or the final one), and what a
-job wrote is checked (sizes always, the bytes re-read and hashed with ``verify``) before it returns.
+job wrote is checked (sizes always, the bytes re-read and hashed with ``verify``) before it returns. A data file
+goes to a store that spreads its keys (``Store.spread_keys``) under its fan-out name
+(:func:`~tierckpt.format.layout.spread_name`), and the record a job returns names it so.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from .. import faults
 from ..errors import CorruptCheckpointError
+from ..format import layout
 from ..format.manifest import FileRecord, RankManifest, file_rel
 from ..storage.base import Store, join
 from ..storage.retry import Cancelled, DeadlineExceeded, RetryPolicy
@@ -216,7 +219,8 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
     one listing later passes False)."""
     rec = rm.files[index]
     src = file_rel(rm.step, rec)
-    dst = join(staging, rec.name)
+    name = layout.stored_name(rec.name, remote.spread_keys)  # on object stores: under its fan-out prefix
+    dst = join(staging, name)
     compress = compression == "zstd" and rec.compression is None
     # the local bytes are read the uploader's way (page-aligned, around the page cache) and checked as they go
     src_check = FileStream(local, rm, index) if verify and rec.compression is None else None
@@ -262,6 +266,8 @@ def _upload_file(local: Store, remote: Store, ctx: Transfer, rm: RankManifest, i
     if actual != written:
         raise Mismatch(f"{url_of(remote, dst)} is {actual} bytes after upload, {written} were sent")
     new = dataclasses.replace(rec, compression="zstd", stored_size=written) if compress else rec
+    if new.name != name:
+        new = dataclasses.replace(new, name=name)
     if verify:
         _verify_remote(remote, dst, rm, index, new, chunk, ctx)
     return new, read, written

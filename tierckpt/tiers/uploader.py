@@ -14,6 +14,9 @@ thread, ``tierckpt sync`` from the command line. Invariants:
   removes what was written; a failure (or a stall past the deadline) *while* ``manifest.json`` is being written
   leaves the data in place, since the manifest may still land, and the next attempt finds either a committed step
   (skip) or an uncommitted one (upload again).
+- On an object store (``Store.spread_keys``) each data file is stored under its fan-out name
+  (:func:`~tierckpt.format.layout.spread_name`, so that the step's objects spread over many key prefixes) and the
+  remote rank manifests name it so; rank manifests and ``manifest.json`` keep their names in ``step-<N>/``.
 - With ``compression="zstd"`` the remote data files are zstd frames of the local files, and the remote rank manifests
   record it (``FileRecord.compression``/``stored_size``); checksums always cover the uncompressed bytes, so restore
   and verify see the same checksums in every tier. The step manifest is re-sealed with the new rank manifests' sizes
@@ -184,7 +187,7 @@ def replicate_step(
             for rm, _raw in ranks:
                 for i, rec in enumerate(rm.files):
                     rel = join(staging, rec.name)
-                    there = shared.get((rec.in_step, rec.name, rec.checksum))
+                    there = shared.get((rec.in_step, layout.plain_name(rec.name), rec.checksum))
                     if there is not None:  # stored once: the remote's copy of the earlier step is referenced
                         there = dataclasses.replace(there, in_step=rec.in_step, cuts=rec.cuts)
                         jobs.append((rel, partial(_nothing_sent, there)))
@@ -269,7 +272,7 @@ def _remote_shares(ctx: Transfer, remote: Store,
     for rm in rms:
         for f in rm.files:
             if f.in_step is not None:
-                wanted.setdefault(f.in_step, set()).add((f.name, f.checksum))
+                wanted.setdefault(f.in_step, set()).add((layout.plain_name(f.name), f.checksum))
     out: dict[tuple[int | None, str, str], FileRecord] = {}
     for s, names in sorted(wanted.items()):
         try:  # retried, but not a job of the transfer: a step the remote lacks is an answer, not a failure
@@ -279,9 +282,10 @@ def _remote_shares(ctx: Transfer, remote: Store,
                      ctx.step, remote.tier, s, exc)
             continue
         for rm in found[1]:
-            for f in rm.files:
-                if f.in_step is None and (f.name, f.checksum) in names:
-                    out[(s, f.name, f.checksum)] = f
+            for f in rm.files:  # the remote's name may carry a fan-out tag (layout.spread_name): matched without
+                plain = layout.plain_name(f.name)
+                if f.in_step is None and (plain, f.checksum) in names:
+                    out[(s, plain, f.checksum)] = f
     return out
 
 
