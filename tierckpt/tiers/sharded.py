@@ -168,7 +168,7 @@ def upload_shard(local: Store, remote: Store, step: int, rank: int,
         jobs: list[tuple[str, Callable[[], Any]]] = []
         for i, rec in enumerate(rm.files):
             rel = join(folder, rec.name)
-            there = shared.get((rec.in_step, rec.name, rec.checksum))
+            there = shared.get((rec.in_step, layout.plain_name(rec.name), rec.checksum))
             if there is not None:  # stored once: the remote's copy of this rank's file of the earlier step
                 there = dataclasses.replace(there, in_step=rec.in_step, cuts=rec.cuts)
                 jobs.append((rel, lambda there=there: (there, 0, 0)))
@@ -296,7 +296,7 @@ def _remote_shares(remote: Store, rm: RankManifest) -> dict[tuple[int | None, st
     wanted: dict[int, set[tuple[str, str]]] = {}
     for f in rm.files:
         if f.in_step is not None:
-            wanted.setdefault(f.in_step, set()).add((f.name, f.checksum))
+            wanted.setdefault(f.in_step, set()).add((layout.plain_name(f.name), f.checksum))
     out: dict[tuple[int | None, str, str], FileRecord] = {}
     for s, names in sorted(wanted.items()):
         try:
@@ -306,9 +306,9 @@ def _remote_shares(remote: Store, rm: RankManifest) -> dict[tuple[int | None, st
                      "over", rm.step, remote.tier, rm.rank, s, exc)
             continue
         for other in found:
-            for f in other.files:
-                if f.in_step is None and (f.name, f.checksum) in names:
-                    out[(s, f.name, f.checksum)] = f
+            for f in other.files:  # the remote's name may carry a fan-out tag (layout.spread_name)
+                if f.in_step is None and (layout.plain_name(f.name), f.checksum) in names:
+                    out[(s, layout.plain_name(f.name), f.checksum)] = f
     return out
 
 
