@@ -2,8 +2,9 @@
 
 Two "nodes" of ``world // 2`` ranks each: the first half of the ranks share the folder ``<root>/A``, the second
 half ``<root>/B``. Job ``save`` saves ``cfg["steps"]`` with ``peer_replicas=1`` (and the remote of
-``cfg["remote"]``, if any), waits for every copy and closes; job ``restore`` restores into an empty state and
-records the step, the state and where this rank's shard came from. Ranks meet only through ``dist.barrier()``.
+``cfg["remote"]``, if any; with ``cfg["options"]["incremental"]`` the state holds a tensor no step changes),
+waits for every copy and closes; job ``restore`` restores into an empty state and records the step, the state and
+where this rank's shard came from. Ranks meet only through ``dist.barrier()``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tests.distributed._dist_worker import LOADS, Recorder, empty_state, err, make_state, run_worker, summarize
@@ -28,13 +30,26 @@ def manager(rank: int, world: int, cfg: dict[str, Any]) -> Any:
                              upload_deadline_s=10, **cfg.get("options", {}))
 
 
+def frozen(rank: int) -> torch.Tensor:
+    """A tensor no step changes: an incremental step references its bytes in the first step's file."""
+    return torch.arange(4096, dtype=torch.float32) + rank
+
+
+def saved_state(rank: int, step: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    st = make_state(rank, step)
+    if cfg.get("options", {}).get("incremental"):
+        st["frozen"] = frozen(rank)
+    return st
+
+
 def job_save(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
     def run() -> dict[str, Any]:
         mgr = manager(rank, world, cfg)
         out: dict[str, Any] = {"persisted": []}
         try:
             for s in cfg["steps"]:  # saves spaced out as in training: each one's copy is done before the next
-                out["persisted"].append(mgr.save(s, make_state(rank, s)).persisted.result(timeout=60) is not None)
+                out["persisted"].append(mgr.save(s, saved_state(rank, s, cfg)).persisted.result(timeout=60)
+                                        is not None)
                 try:
                     mgr.wait(timeout=60)  # the peer copy too
                 except Exception as exc:  # an unreachable remote: the peer copies do not depend on it
@@ -54,6 +69,9 @@ def job_save(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
 def job_restore(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
     def run() -> dict[str, Any]:
         state = empty_state(rank)
+        incremental = bool(cfg.get("options", {}).get("incremental"))
+        if incremental:
+            state["frozen"] = torch.zeros(4096)
         LOADS.clear()
         mgr = manager(rank, world, cfg)
         try:
@@ -62,6 +80,7 @@ def job_restore(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> No
             mgr.close(raise_upload_errors=False)
         fetched = node_root(Path(cfg["root"]), rank, world) / "replicas" / f".fetch-r{rank:05d}"
         return {"step": step, "state": summarize(state), "loads": list(LOADS),
+                "frozen": torch.equal(state["frozen"], frozen(rank)) if incremental else None,
                 "fetched": sorted(p.name for p in fetched.iterdir()) if fetched.is_dir() else []}
 
     rec.phase("restore", run)

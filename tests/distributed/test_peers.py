@@ -1,7 +1,8 @@
 """Peer copies (``peer_replicas=1``) with real ranks: 2 nodes x 2 ranks on gloo, each node its own local folder.
 
-A job saves with no remote, node B's folder is wiped, and the restarted job restores the
-newest step from A's replica of B, bit for bit; with B's copy and A's replica of it both corrupted, B's rank reads
+A job saves incremental steps with no remote, node B's folder is wiped, and the restarted job restores the
+newest step from A's replica of B (which carries the files the step references), bit for bit, and commits it back
+into B's folder; with B's copy and A's replica of it both corrupted, B's rank reads
 the step from the remote. The transfer itself (a replica killed mid-transfer, a checksum that differs, a foreign
 request) is tested in-process in tests/tiers/test_peer_channel.py.
 """
@@ -56,11 +57,12 @@ def corrupt_rank_data(folder: Path, rank: int) -> None:
 
 @pytest.fixture(scope="module")
 def lost_node(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Ranks, Ranks]:
-    """Saved without a remote (the newest step on any remote would be older); node B wiped; restarted."""
+    """Saved incrementally without a remote (the newest step on any remote would be older); node B wiped;
+    restarted."""
     root = tmp_path_factory.mktemp("peers")
-    saved = launch("save", "save", root, steps=[1, 2, 3])
+    saved = launch("save", "save", root, steps=[1, 2, 3], options={"incremental": True})
     shutil.rmtree(root / "B")
-    restored = launch("restore", "restore", root)
+    restored = launch("restore", "restore", root, options={"incremental": True})
     return root, saved, restored
 
 
@@ -76,6 +78,13 @@ def test_saves_are_copied_to_the_partner_node_without_a_remote(lost_node: tuple[
     assert held == ["step-0000000002", "step-0000000003"]
     assert (replica(root / "A", 1, 3) / "manifest.json").is_file()
     assert json.loads((replica(root / "A", 1, 3) / "manifest.json").read_text())["holds_ranks"] == [2, 3]
+    # the steps are incremental (step 3 references the unchanged tensor's bytes in step 1's files); a replica
+    # carries the referenced files into its own folder and references nothing
+    assert json.loads((step_folder(root / "A", 3) / "manifest.json").read_text())["refs"] == [1]
+    assert "refs" not in json.loads((replica(root / "A", 1, 3) / "manifest.json").read_text())
+    for rank in (2, 3):
+        data = [p.name for p in replica(root / "A", 1, 3).glob(f"r{rank:05d}-p*.safetensors")]
+        assert len({n.rsplit("-", 1)[1] for n in data}) == 2, data  # its own save's file and step 1's
 
 
 def test_ls_and_verify_see_the_replicas(lost_node: tuple[Path, Ranks, Ranks],
@@ -86,7 +95,8 @@ def test_ls_and_verify_see_the_replicas(lost_node: tuple[Path, Ranks, Ranks],
     corrupt_rank_data(replica(root / "A", 1, 2), 3)
     assert cli.main(["verify", str(root / "A")]) != 0  # the damaged replica is found
     out = capsys.readouterr().out
-    assert "replica under" in out and "3 of 4 steps intact; corrupt: [2]" in out
+    # A's own steps 1-3 (step 1 held: the later steps reference it) and B's two replicas
+    assert "replica under" in out and "4 of 5 steps intact; corrupt: [2]" in out
 
 
 def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
@@ -95,6 +105,7 @@ def test_a_wiped_node_restores_the_newest_step_from_its_partners_replica(
     for rank, rec in enumerate(restored.phases("restore")):
         assert rec["step"] == 3, rec
         assert rec["state"] == summarize(make_state(rank, 3))  # every value, bit for bit (float32 -> JSON exact)
+        assert rec["frozen"] is True  # the referenced bytes too
         tiers = {tier for tier, _ in rec["loads"]}
         assert tiers == ({"local"} if rank < 2 else {"peer"}), rec["loads"]
         assert rec["fetched"] == [], rec  # what a rank fetched went into the local tier, nothing is left behind

@@ -58,11 +58,7 @@ class Engine:
         self.remote_run: RunIdentity | None = None
         #: the local tier's incremental-save state of this rank (``options.incremental``), else None
         self.incremental: Incremental | None = None
-        if options.incremental and world_size > 1 and options.peer_replicas:
-            # a peer copy carries one step folder: a step referencing earlier folders would not be whole there
-            log.warning("rank %d: incremental=True with peer_replicas=%d: steps are written whole", rank,
-                        options.peer_replicas)
-        elif options.incremental:
+        if options.incremental:
             self.incremental = Incremental(options.full_every, rank=rank, world_size=world_size)
 
     def close(self) -> None:

@@ -142,16 +142,12 @@ class Peers:
             self._push(step)
 
     def _push(self, step: int) -> None:
-        folder = layout.step_dir(step)
         try:
-            names = self.local.list(folder)
-            if layout.STEP_MANIFEST not in names:
-                raise wire.PeerError("not committed locally (retention removed it?)")
-            names = [n for n in names if n != layout.STEP_MANIFEST] + [layout.STEP_MANIFEST]  # the manifest last
-            files = [(n, self.local.size(f"{folder}/{n}")) for n in names]
+            sources = replicas.replica_sources(self.local, step)
         except Exception as exc:
             self._failed(step, None, exc)
             return
+        files = [(n, size) for n, size, _ in sources]
         for partner in self.ring.partners():
             t0 = time.monotonic()
             try:
@@ -159,8 +155,11 @@ class Peers:
                     wire.send_msg(sock, {"op": "put", "token": token, "node": self.ring.node, "step": step,
                                          "files": files})
                     self._expect_ok(sock)
-                    for n, size in files:
-                        wire.send_file(sock, self.local.path(f"{folder}/{n}"), size, throttle=self._yield)
+                    for _n, size, src in sources:
+                        if isinstance(src, bytes):
+                            wire.send_bytes(sock, src)
+                        else:
+                            wire.send_file(sock, src, size, throttle=self._yield)
                     self._expect_ok(sock)
             except Exception as exc:
                 self._failed(step, partner, exc)

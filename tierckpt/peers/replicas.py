@@ -22,6 +22,7 @@ half-way leaves only a temporary folder, which no listing counts. Nodes are numb
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest, file_rel
 from ..storage.base import join
 from ..storage.local import LocalStore
 
@@ -136,6 +137,50 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replica_sources(local: LocalStore, step: int) -> list[tuple[str, int, str | bytes]]:
+    """What a replica of the node's committed ``step`` consists of, in the order sent (data files, rank manifests,
+    ``manifest.json`` last): (name, size, the file's path or its bytes). A step without references is its folder's
+    files as they are. An incremental step (``refs``) is carried whole: the earlier steps' files its rank manifests
+    reference are sent into the replica's own folder, each rank manifest that referenced one is re-sealed without
+    ``in_step`` (its files keep their ``cuts``, docs/format.md section 13), and ``manifest.json`` names those rank
+    manifests and no ``refs``: a replica never depends on a step its holder may not have, and a restore from it
+    verifies every byte against it as from any step. Raises :class:`CheckpointError` (or ``OSError``) where the
+    step is not committed locally or its manifests do not verify."""
+    folder = layout.step_dir(step)
+    try:
+        raw = local.read_bytes(join(folder, layout.STEP_MANIFEST), max_size=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise CheckpointError("not committed locally (retention removed it?)", step=step, tier="local",
+                              path=local.path(folder)) from None
+    manifest = StepManifest.from_bytes(raw, step=step, path=local.path(join(folder, layout.STEP_MANIFEST)))
+    if not manifest.refs:
+        names = [n for n in local.list(folder) if n != layout.STEP_MANIFEST]
+        return [*((n, local.size(join(folder, n)), local.path(join(folder, n))) for n in names),
+                (layout.STEP_MANIFEST, len(raw), raw)]
+    data: dict[str, tuple[str, int, str | bytes]] = {}
+    manifests: list[tuple[str, int, str | bytes]] = []
+    refs = []
+    for ref in manifest.ranks:
+        rank_raw = local.read_bytes(join(folder, ref.name), max_size=MAX_MANIFEST_BYTES)
+        if hashing.digest(rank_raw).hex() != ref.checksum:
+            raise CorruptCheckpointError(f"{ref.name} does not match manifest.json", step=step, tier="local",
+                                         path=local.path(join(folder, ref.name)), bad_files=[ref.name])
+        rm = RankManifest.from_bytes(rank_raw, step=step, path=local.path(join(folder, ref.name)))
+        for f in rm.files:
+            if f.name in data:
+                raise CorruptCheckpointError(f"{f.name} is listed twice", step=step, tier="local",
+                                             path=local.path(folder), bad_files=[f.name])
+            data[f.name] = (f.name, f.size, local.path(file_rel(step, f)))
+        if any(f.in_step is not None for f in rm.files):
+            rank_raw = dataclasses.replace(rm, files=tuple(dataclasses.replace(f, in_step=None)
+                                                           for f in rm.files)).to_bytes()
+            ref = dataclasses.replace(ref, size=len(rank_raw), checksum=hashing.digest(rank_raw).hex())
+        manifests.append((ref.name, len(rank_raw), rank_raw))
+        refs.append(ref)
+    carried = dataclasses.replace(manifest, ranks=tuple(refs), refs=(), shared_bytes=0).to_bytes()
+    return [*data.values(), *manifests, (layout.STEP_MANIFEST, len(carried), carried)]
 
 
 def fetch_rel(rank: int, step: int) -> str:
