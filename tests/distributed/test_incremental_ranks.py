@@ -105,8 +105,9 @@ def test_a_resharded_restart_writes_its_first_step_whole(inc2: Ranks) -> None:
     assert Incremental(rank=1, world_size=2).baseline_for(node0, 100) is None  # node 0 holds no shard of rank 1
 
 
-def test_peer_copies_keep_multi_rank_steps_whole(caplog: pytest.LogCaptureFixture) -> None:
-    """A peer copy carries one step folder: with peer_replicas, a multi-rank job writes its steps whole."""
+def test_peer_copies_keep_multi_rank_steps_incremental(caplog: pytest.LogCaptureFixture) -> None:
+    """A peer copy carries the files a step references (tests/distributed/test_peers.py): with peer_replicas, a
+    multi-rank job still writes incremental steps."""
     from tierckpt.engine.core import Engine
     from tierckpt.options import Options
 
@@ -114,7 +115,7 @@ def test_peer_copies_keep_multi_rank_steps_whole(caplog: pytest.LogCaptureFixtur
         return Engine(local=None, remote=None, rank=0, world_size=world, options=Options(incremental=True, **kw),  # type: ignore[arg-type]
                       io=None, hash=None, pool=None, huge=False, coord=None)  # type: ignore[arg-type]
 
-    assert engine(2, peer_replicas=1).incremental is None
-    assert "written whole" in caplog.text
+    assert engine(2, peer_replicas=1).incremental is not None
+    assert "written whole" not in caplog.text
     inc = engine(2, full_every=3).incremental
     assert inc is not None and (inc.rank, inc.world_size, inc.full_every) == (0, 2, 3)
