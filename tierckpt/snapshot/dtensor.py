@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import TensorRecord
+from ..format.manifest import RankManifest, TensorRecord
+from ..format.shard_index import Layout
+from ..format.shards import UnknownPlacement, mesh_key, saved_box
 from .dtypes import CODE_TO_TORCH
 
 #: Where torch keeps DTensor: ``torch.distributed.tensor`` (torch >= 2.5), ``torch.distributed._tensor`` (2.4).
@@ -117,6 +119,34 @@ def target_box(live: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, 
         offset, _ = local_box(live)
         return tuple(live.shape), offset, tuple(live.to_local().shape)
     return tuple(live.shape), (0,) * live.dim(), tuple(live.shape)
+
+
+def index_layouts(own: RankManifest, targets: dict[str, tuple[Any, str, tuple[int, ...]]]) -> list[Layout] | None:
+    """What a step's shard index needs to know of this rank's distributed-tensor ``targets`` (key path -> (live
+    value, dtype code, global shape)): per target, the saved global shape, placements, mesh shape and mesh key that
+    this rank's own saved tree records for its key path, and the box the target covers. None where that cannot be
+    told (a target without a saved layout, one saved before layouts carried their mesh) or where this rank's own
+    saved shards do not lie where :func:`.format.shards.saved_box` puts them (its arithmetic does not match how they
+    were cut): then the ranks to read are not computed from the index."""
+    saved = saved_layouts(own.tree)
+    out: list[Layout] = []
+    try:
+        for rec in own.tensors:
+            sh = rec.shard
+            if sh is not None and rec.path in targets:
+                box = saved_box(sh["global_shape"], sh["placements"], sh["mesh_shape"], sh["coordinate"])
+                if box != (tuple(sh["offset"]), tuple(rec.shape)):
+                    return None
+        for path, (live, _code, gshape) in targets.items():
+            layout = saved.get(path)
+            if layout is None or "placements" not in layout or "mesh_shape" not in layout:
+                return None
+            _g, offset, shape = target_box(live)
+            out.append((tuple(gshape), tuple(layout["placements"]), tuple(layout["mesh_shape"]),
+                        mesh_key(layout["mesh_shape"], layout.get("mesh_dims")), (offset, shape)))
+    except (UnknownPlacement, KeyError, TypeError, ValueError):
+        return None
+    return out
 
 
 def assemble(

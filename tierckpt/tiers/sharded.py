@@ -17,14 +17,18 @@ Remote tier (shared by all ranks), one attempt of one step (:func:`replicate_sha
 1. rank 0 reads the remote ``manifest.json``: if it holds this save already, every rank skips the step;
 2. each rank uploads its data files and its rank manifest into ``step-<N>/`` and reports the rank manifest's name,
    size and checksum (of the bytes written: a rank manifest re-sealed by compression differs from the local one);
-3. rank 0 collects the reports, confirms them with one listing of ``step-<N>/`` (names and sizes), writes
-   ``manifest.json`` last and tells every rank whether the step is committed.
+3. rank 0 collects the reports, confirms them with one listing of ``step-<N>/`` (names and sizes), writes the
+   step's shard index (``shards-<save id>.json``, :mod:`tierckpt.format.shard_index`; for steps with distributed
+   tensors), then ``manifest.json`` last, and tells every rank whether the step is committed.
 
 Steps 1-3 talk through a :class:`CommitChannel` (the job's c10d store), never through the remote: no rank polls
 storage for another's progress, and rank 0 reads no rank manifest back. Rank 0 reads the W-1 reports in batches
 (O(W / 512) requests, none per rank); each rank removes its own report once it has the result.
 
 A step folder without ``manifest.json`` is never a checkpoint, whatever shards it holds.
+
+Resharding restores read the remote's shard index instead of its ``manifest.json`` (:func:`indexed_rank_manifests`):
+the few kilobytes that name the saved ranks whose shards overlap a rank's targets, and those ranks' references.
 """
 
 from __future__ import annotations
@@ -37,8 +41,15 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from .. import faults
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StepConflictError, UploadError
-from ..format import hashing, layout
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StepConflictError,
+    StorageError,
+    UploadError,
+)
+from ..format import hashing, layout, shard_index
 from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, RankRef, StepManifest, shared_steps
 from ..format.shards import mesh_index
 from ..storage.base import Store, join
@@ -47,7 +58,7 @@ from ..storage.fsspec_store import DEFAULT_PART_SIZE
 from ..storage.local import LocalStore
 from ..storage.retry import RetryPolicy
 from .incremental import Incremental, pins
-from .reader import read_manifests
+from .reader import read_manifests, read_ranks
 from .transfer import TokenBucket, Transfer, TransferFailed, bytes_job, file_job, run_jobs
 from .writer import RankSnapshot, write_rank
 
@@ -359,11 +370,23 @@ def _commit_reported(remote: Store, manifest: StepManifest, ref0: RankRef, sizes
         if gone:
             raise UploadError(f"referenced step(s) {gone} are no longer committed remotely; the step is not "
                               "committed remotely", step=step, tier=remote.tier, path=f"{remote.url}/{folder}")
+        _write_index(remote, final, retry)
         faults.point("remote-commit")
         carried = frozenset(n for r in sizes for n in sizes[r] if f"-{manifest.save_id}." not in n)
         retry.call(lambda: commit_step(remote, final, carried),  # throttling retried
                    what=f"commit {remote.url}/{folder}")
     return final
+
+
+def _write_index(remote: Store, final: StepManifest, retry: RetryPolicy) -> None:
+    """Rank 0, before the commit: the step's shard index next to where ``manifest.json`` goes (none for a step
+    without distributed tensors). A failure to write it fails the commit as any other write does; a step committed
+    without one (an older library's, or one whose index would be too large) is resharded from ``manifest.json``."""
+    raw = shard_index.build(final.step, final.save_id, final.world_size, final.ranks)
+    if raw is None:
+        return
+    rel = join(layout.step_dir(final.step), shard_index.index_name(final.save_id))
+    retry.call(lambda: remote.put_atomic(rel, raw), what=f"write {remote.url}/{rel}")
 
 
 def _reported(report: dict[str, Any]) -> RankRef:
@@ -378,3 +401,114 @@ def holds_rank(store: Store, step: int, rank: int) -> bool:
     except (CheckpointError, OSError):
         return True  # let the loader find out and report it
     return m is not None and (m.holds_ranks is None or rank in m.holds_ranks)
+
+
+# ------------------------------------------------------------------------------------------ resharding restores
+def indexed_rank_manifests(tiers: list[Store], manifest: StepManifest, layouts: list[shard_index.Layout],
+                           have: dict[int, tuple[Store, RankManifest]],
+                           manifest_of: Callable[[Store], StepManifest | None]) -> bool:
+    """Put into ``have`` (rank -> (tier, its manifest)) the manifest of every saved rank whose shards overlap the
+    targets ``layouts`` describe (:func:`.format.shard_index.ranks_overlapping`), found through the first of
+    ``tiers`` holding the shard index of ``manifest``'s save (the remote): its head, then only the blocks naming
+    those ranks. Each rank's manifest comes from the first tier holding it intact: the index's tier through the
+    index's reference, any other (a node's local copy) through ``manifest_of`` (its own, small ``manifest.json``).
+    Returns False, having read no rank manifest, where no tier holds an index (a step saved before indexes, or
+    without distributed tensors), where it cannot tell, or where it is damaged (logged, naming the step, tier and
+    file): the caller then reads as without one. ``manifest`` may be cut down to any rank (only its step, save id
+    and world size are used). Storage errors propagate."""
+    try:
+        found = next((f for f in (_index_head(t, manifest) for t in tiers) if f is not None), None)
+        if found is None:
+            return False
+        tier, head, prefix = found
+        wanted = shard_index.ranks_overlapping(head, layouts)
+        if wanted is None:
+            log.info("restore: step %d: the shard index in tier %s cannot tell which ranks to read; reading the "
+                     "step manifest", manifest.step, tier.tier)
+            return False
+        need = sorted(wanted - set(have))
+        refs = _index_refs(tier, head, prefix, need) if need else {}
+    except CorruptCheckpointError as exc:
+        log.warning("restore: step %d: %s; reading the step manifest instead", manifest.step, exc)
+        return False
+    for rank in need:
+        for t in tiers:
+            if t is tier:
+                listing: StepManifest | None = dataclasses.replace(manifest, ranks=(refs[rank],), holds_ranks=None)
+            else:
+                listing = manifest_of(t)
+                if listing is None or not any(ref.rank == rank for ref in listing.ranks):
+                    continue
+            try:
+                assert listing is not None
+                rms = read_ranks(t, listing, [rank])
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+                log.info("restore: step %d: rank %d's manifest in tier %s is not usable: %s", manifest.step, rank,
+                         t.tier, exc)
+                continue
+            if rms and rms[0].save_id == manifest.save_id:
+                have[rank] = (t, rms[0])
+                break
+    return True
+
+
+def _index_head(store: Store, manifest: StepManifest) -> tuple[Store, shard_index.IndexHead, bytes] | None:
+    """``store``'s shard index of ``manifest``'s save: (store, its verified head, the file's first bytes read), or
+    None if it has none. Reads :data:`~.format.shard_index.HEAD_READ` bytes, more only for a head that long."""
+    rel = join(layout.step_dir(manifest.step), shard_index.index_name(manifest.save_id))
+    where = f"{store.url}/{rel}"
+    prefix = b""
+    ask = shard_index.HEAD_READ
+    while True:
+        buf = bytearray(ask)
+        try:
+            n = store.readinto(rel, len(prefix), memoryview(buf))
+        except FileNotFoundError:
+            if prefix:
+                raise CorruptCheckpointError("shard index: it vanished while read", step=manifest.step,
+                                             tier=store.tier, path=where) from None
+            return None
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise CorruptCheckpointError(f"shard index: unreadable: {exc}", step=manifest.step, tier=store.tier,
+                                         path=where) from None
+        prefix += bytes(buf[:n])
+        end = shard_index.head_line(prefix, step=manifest.step, tier=store.tier, path=where)
+        if end is not None:
+            break
+        if n < ask:
+            raise CorruptCheckpointError("shard index: its head ends before its line does (truncated?)",
+                                         step=manifest.step, tier=store.tier, path=where)
+        ask = min(ask * 2, shard_index.MAX_HEAD_BYTES)
+    head = shard_index.parse_head(prefix[:end], step=manifest.step, save_id=manifest.save_id,
+                                  world_size=manifest.world_size, tier=store.tier, path=where)
+    return store, head, prefix
+
+
+def _index_refs(store: Store, head: shard_index.IndexHead, prefix: bytes, ranks: list[int]) -> dict[int, RankRef]:
+    """The manifest references of ``ranks`` from the index's blocks: those in ``prefix`` (already read) from there,
+    the others with one ranged read each."""
+    rel = join(layout.step_dir(head.step), shard_index.index_name(head.save_id))
+    where = f"{store.url}/{rel}"
+    out: dict[int, RankRef] = {}
+    for b in head.blocks_of(ranks):
+        at, size = head.block_span(b)
+        if at + size <= len(prefix):
+            raw = prefix[at : at + size]
+        else:
+            buf = bytearray(size)
+            try:
+                n = store.readinto(rel, at, memoryview(buf))
+            except StorageError:
+                raise
+            except Exception as exc:  # a missing range, a vanished file
+                raise CorruptCheckpointError(f"shard index: block {b} unreadable: {exc}", step=head.step,
+                                             tier=store.tier, path=where) from None
+            raw = bytes(buf[:n])
+        out.update((ref.rank, ref) for ref in shard_index.parse_block(raw, head, b, tier=store.tier, path=where))
+    missing = [r for r in ranks if r not in out]
+    if missing:
+        raise CorruptCheckpointError(f"shard index: no reference of rank(s) {missing[:8]}", step=head.step,
+                                     tier=store.tier, path=where)
+    return out

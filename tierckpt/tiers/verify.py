@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, StorageError
-from ..format import layout
+from ..format import layout, shard_index
 from ..format.manifest import RankManifest, StepManifest, file_rel
 from ..storage.base import Store
 from ..storage.commit import read_step_manifest
@@ -178,5 +178,6 @@ def _removed(report: StepReport) -> StepReport:
 def _extra_files(store: Store, manifest: StepManifest, rms: list[RankManifest] | None) -> list[str]:
     if rms is None:
         return []
-    known = {layout.STEP_MANIFEST} | {r.name for r in manifest.ranks} | {f.name for rm in rms for f in rm.files}
+    known = ({layout.STEP_MANIFEST, shard_index.index_name(manifest.save_id)} | {r.name for r in manifest.ranks}
+             | {f.name for rm in rms for f in rm.files})
     return [n for n in store.list(layout.step_dir(manifest.step)) if n not in known]

@@ -1,0 +1,168 @@
+"""One rank of a resharding job for tests/distributed/test_reshard_index.py
+(``python _reshard_index_worker.py JOB RANK WORLD ROOT``): what each rank reads of a step's metadata.
+
+Jobs:
+
+- ``save4`` (4 ranks): a DTensor state (Shard(0), Shard(1), Replicate on a 1-D mesh) committed at step 1, each
+  rank's local folder ``n<rank>``, the remote ``remote``.
+- ``load2`` (2 ranks, reusing ``n0`` and ``n1``): restores it onto 2 ranks from ``remote`` (with its shard index),
+  ``remote_old`` (the index removed: a step saved before indexes) and ``remote_bad`` (the index damaged), then
+  commits step 2 from 2 ranks to ``remote2``.
+- ``load4`` (4 ranks, fresh local folders): restores step 2 of ``remote2`` onto 4 ranks.
+
+Every read of a remote file is counted per rank (bytes and requests, by kind: the step manifest, the shard index,
+rank manifests) and recorded with the phase, beside whether the restore was bit-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.distributed._reshard_worker import Job, distribute, manager, same  # noqa: E402
+
+SAVE = {"w": "S0", "e": "S1", "b": "R"}
+
+
+def full() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3),
+            "e": torch.arange(6 * 8, dtype=torch.int64).reshape(6, 8) * 7,
+            "b": torch.arange(5, dtype=torch.float32) - 2.5}
+
+
+class Reads:
+    """Counts every read of a remote file in this process, by kind of file."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, list[int]] = {}
+        self.rank_manifests: list[str] = []
+
+    def add(self, tier: str, rel: str, n: int) -> None:
+        if tier != "remote":
+            return
+        name = rel.rsplit("/", 1)[-1]
+        kind = ("step_manifest" if name == "manifest.json" else "index" if name.startswith("shards-")
+                else "rank_manifest" if name.endswith(".manifest.json") else "data")
+        self.by_kind.setdefault(kind, []).append(n)
+        if kind == "rank_manifest":
+            self.rank_manifests.append(name.split("-", 1)[0])
+
+    def record(self) -> dict[str, Any]:
+        return {"bytes": {k: sum(v) for k, v in self.by_kind.items()},
+                "requests": {k: len(v) for k, v in self.by_kind.items()},
+                "rank_manifests": sorted(set(self.rank_manifests))}
+
+
+def counting() -> Reads:
+    """Count the remote's reads (a POSIX remote: LocalStore) from here on."""
+    from tierckpt.storage.local import LocalStore
+
+    reads = Reads()
+    read_bytes, readinto_many = LocalStore.read_bytes, LocalStore.readinto_many
+
+    def counted_read_bytes(self: Any, rel: str, *, max_size: int) -> bytes:
+        raw = read_bytes(self, rel, max_size=max_size)
+        reads.add(self.tier, rel, len(raw))
+        return raw
+
+    def counted_readinto_many(self: Any, rel: str, offset: int, bufs: list[memoryview]) -> int:
+        n = readinto_many(self, rel, offset, bufs)
+        reads.add(self.tier, rel, n)
+        return n
+
+    LocalStore.read_bytes = counted_read_bytes  # type: ignore[method-assign]
+    LocalStore.readinto_many = counted_readinto_many  # type: ignore[method-assign]
+    return reads
+
+
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def restore(job: Job, mesh: Any, local: str, remote: str, specs: dict[str, str], step: int) -> dict[str, Any]:
+    reads = counting()
+    st = {"model": distribute(full(), mesh, specs, zero=True)}
+    warned = Warnings()
+    logging.getLogger("tierckpt").addHandler(warned)
+    try:
+        with manager(job.root, local, remote) as m:
+            got = m.restore(st)
+    finally:
+        logging.getLogger("tierckpt").removeHandler(warned)
+    exact = {k: same(v.full_tensor(), full()[k]) for k, v in st["model"].items()}
+    return {"restored": got, "step": step, "exact": exact, "warnings": warned.messages} | reads.record()
+
+
+def job_save4(job: Job) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (job.world,))
+
+    def save() -> dict[str, Any]:
+        with manager(job.root, f"n{job.rank}", "remote") as m:
+            m.save(1, {"model": distribute(full(), mesh, SAVE, zero=False)})
+            m.wait()
+        return {"ok": True}
+
+    job.phase("save", save)
+
+
+def job_load2(job: Job) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (job.world,))
+    local = f"n{job.rank}"  # each rank's node still holds the saving job's shard of the same rank
+    job.phase("indexed", lambda: restore(job, mesh, local, "remote", SAVE, 1))
+    job.phase("old", lambda: restore(job, mesh, local, "remote_old", SAVE, 1))
+    job.phase("corrupt", lambda: restore(job, mesh, local, "remote_bad", SAVE, 1))
+
+    def save() -> dict[str, Any]:
+        with manager(job.root, f"m{job.rank}", "remote2") as m:
+            m.save(2, {"model": distribute(full(), mesh, SAVE, zero=False)})
+            m.wait()
+        return {"ok": True}
+
+    job.phase("save2", save)
+
+
+def job_load4(job: Job) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (job.world,))
+    # fresh nodes: every rank reads from the remote
+    job.phase("indexed", lambda: restore(job, mesh, f"k{job.rank}", "remote2", {"w": "S0", "e": "S1", "b": "S0"}, 2))
+
+
+JOBS = {"save4": job_save4, "load2": job_load2, "load4": job_load4}
+
+
+def main() -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    name, rank, world, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg-{name}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    try:
+        JOBS[name](Job(name, rank, world, root))
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown (seconds of torch atexit work on a 2-core box)
+
+
+if __name__ == "__main__":
+    main()
