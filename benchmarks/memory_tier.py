@@ -38,7 +38,7 @@ def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
     from tierckpt import CheckpointManager
     from tierckpt.snapshot import hostcopy
     from tierckpt.snapshot.staging import aligned_empty
-    from tierckpt.tiers import memory
+    from tierckpt.tiers import memory, memory_restore
 
     state = h.gpt_state(nbytes, zeros=True)
     ts = h.tensors(state)
@@ -74,8 +74,8 @@ def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
         else:
             (copy,) = memory.job_copies(str(ckpt))[0].values()
             t0 = time.perf_counter()  # mapping the file afresh is part of what a restore from it pays
-            mv = np.frombuffer(memory.MemoryStore(copy).staging_buffer(copy.files[-1].offset + copy.files[-1].size)
-                               or b"", dtype=np.uint8)
+            end = copy.files[-1].offset + copy.files[-1].size
+            mv = np.frombuffer(memory_restore.MemoryStore(copy).staging_buffer(end) or b"", dtype=np.uint8)
             base = mv.ctypes.data
         addrs = base + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
         t1 = time.perf_counter()

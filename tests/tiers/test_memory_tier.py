@@ -218,8 +218,9 @@ def test_memory_tier_must_be_a_bool(tmp_path: Path) -> None:
 
 
 def test_two_ranks_on_a_node_restore_each_from_its_own_memory_copy(tmp_path: Path, shm: Path) -> None:
-    """Each rank has its own slot file; the step is agreed as always (from the local tier), then each rank reads
-    its shard from memory. Rank 1's copy is corrupted: rank 1 alone reads the disk, and the job still agrees."""
+    """Each rank has its own slot file; the step (incremental) is agreed as always (from the local tier), then
+    each rank reads its shard from memory. Rank 1's copy is corrupted: rank 1 alone reads the disk, and the job
+    still agrees."""
     from tests._support.ranks import assert_all_ok, rank_env, run_ranks
 
     worker = str(Path(__file__).with_name("_memory_ranks.py"))
@@ -236,7 +237,10 @@ def test_two_ranks_on_a_node_restore_each_from_its_own_memory_copy(tmp_path: Pat
 
     job("save")
     assert memory.steps_in_memory(str(tmp_path / "node")) == {2: [0, 1]}
+    # the steps are incremental: each rank's memory copy of step 2 carries a slot manifest
+    assert json.loads((tmp_path / "node" / "step-0000000002" / "manifest.json").read_text())["refs"] == [1]
     (copy,) = memory.job_copies(str(tmp_path / "node"))[1].values()
+    assert copy.slot_manifest
     at = copy.files[0].offset + copy.files[0].size - 1  # the last byte of rank 1's first data file
     with open(copy.path, "r+b") as f:
         f.seek(at)

@@ -49,7 +49,7 @@ from ..storage.base import Store
 from ..storage.readahead import ReadAhead
 from ..tiers.backing import prove_backed
 from ..tiers.listing import TierListings, first_intact
-from ..tiers.memory import MemoryStore, try_memory
+from ..tiers.memory_restore import MemoryStore, try_memory
 from ..tiers.reader import MAX_IOV, READ_CHUNK, check_sizes, read_file_into, read_ranks, read_step
 from ..tiers.stream import ends_early_error
 from ..tiers.tasks import run_all

@@ -246,7 +246,8 @@ class SavePipeline:
             return
         memory = eng.pool.memory
         if memory is not None and slot.shared and slot.buffer is not None:  # committed locally: commit the memory copy
-            memory.commit_slot(eng.local, slot.index, slot.buffer.data_ptr(), step, [f.data for f in files])
+            memory.commit_slot(eng.local, slot.index, slot.buffer.data_ptr(), step, [f.data for f in files],
+                               staged=(files, leaves_meta))
         release()
         handle._record.persist_s = handle.elapsed()
         handle.persisted.set_result(handle._record.persist_s)

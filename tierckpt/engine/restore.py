@@ -45,9 +45,9 @@ from ..storage.base import Store, join
 from ..storage.commit import protocol_for
 from ..tiers.bounce import BOUNCE_PER_THREAD, BOUNCE_SIZE, BounceBuffers
 from ..tiers.listing import TierListings, first_intact
-from ..tiers.memory import MemoryStore, try_memory
-from ..tiers.sharded import indexed_rank_manifests
+from ..tiers.memory_restore import MemoryStore, try_memory
 from ..tiers.reader import PendingLoad, buffer_layout, fetch_file, read_ranks, read_step, start_load
+from ..tiers.sharded import indexed_rank_manifests
 from ..tiers.undo import UndoLog
 
 if TYPE_CHECKING:

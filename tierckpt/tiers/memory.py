@@ -18,8 +18,12 @@ Commit protocol of one slot (invariants):
   never depends on it;
 - a restore uses it only for the step already chosen from the local tier, and only if its rank manifest is the one
   the local ``manifest.json`` names (the same save, checked by checksum), and every byte it loads is verified
-  against that manifest's checksums as a disk copy's is (:class:`MemoryStore` serves the copy to the ordinary
-  reader); anything else falls back to the disk with a log line naming the step, the tier and the path.
+  against that manifest's checksums as a disk copy's is (:class:`~.memory_restore.MemoryStore` serves the copy to
+  the ordinary reader); anything else falls back to the disk with a log line naming the step, the tier and the path;
+- an incremental step (its files reference earlier steps, so they are not the slot's images) is committed with a
+  *slot manifest* (:func:`slot_manifest`): the committed tensor records at their places in the slot, so that the
+  restore verifies the slot's bytes against the checksums the local tier committed
+  (:func:`~.memory_restore.served_manifest`).
 
 Lifetime: the rank's folder is locked (:mod:`tierckpt.storage.folder_lock`) while a manager uses it.
 ``close()`` of the manager removes it (a job that finished needs no memory copy); a crashed process leaves it, and
@@ -33,8 +37,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
-import io
 import json
 import logging
 import mmap
@@ -43,19 +47,20 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, StorageError
 from ..format import hashing, layout
-from ..format.manifest import RankManifest, StepManifest
+from ..format.manifest import FileRecord, RankManifest
+from ..format.tensors import TensorRecord
 from ..host.libc import libc_function
 from ..host.memory import HUGE_PAGE, buffer_address
 from ..storage import folder_lock
-from ..storage.base import Store, WriteStream, join
+from ..storage.base import Store, join
 from ..storage.files import open_regular
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from .writer import LeafMeta, StagedFile
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +121,21 @@ class MemoryCopy:
     #: the slot file
     path: str
     created: float = 0.0
+    #: an incremental step's slot manifest (the slot's files as a rank manifest, :func:`slot_manifest`); empty where
+    #: the slot's files are the step's own
+    slot_manifest: bytes = b""
 
     def to_bytes(self) -> bytes:
-        return json.dumps({
-            "format": FORMAT, "step": self.step, "save_id": self.save_id, "rank": self.rank, "slot": self.slot,
-            "created": self.created, "step_manifest": base64.b64encode(self.step_manifest).decode(),
-            "rank_manifest_name": self.rank_manifest_name,
-            "rank_manifest": base64.b64encode(self.rank_manifest).decode(),
-            "rank_manifest_checksum": hashing.digest(self.rank_manifest).hex(),
-            "files": [[f.name, f.offset, f.size, f.checksum] for f in self.files]}).encode()
+        d = {"format": FORMAT, "step": self.step, "save_id": self.save_id, "rank": self.rank, "slot": self.slot,
+             "created": self.created, "step_manifest": base64.b64encode(self.step_manifest).decode(),
+             "rank_manifest_name": self.rank_manifest_name,
+             "rank_manifest": base64.b64encode(self.rank_manifest).decode(),
+             "rank_manifest_checksum": hashing.digest(self.rank_manifest).hex(),
+             "files": [[f.name, f.offset, f.size, f.checksum] for f in self.files]}
+        if self.slot_manifest:
+            d["slot_manifest"] = base64.b64encode(self.slot_manifest).decode()
+            d["slot_manifest_checksum"] = hashing.digest(self.slot_manifest).hex()
+        return json.dumps(d).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, path: str) -> MemoryCopy:
@@ -135,10 +146,13 @@ class MemoryCopy:
         rank_manifest = base64.b64decode(d["rank_manifest"])
         if hashing.digest(rank_manifest).hex() != d["rank_manifest_checksum"]:
             raise ValueError("the rank manifest does not match its checksum")
+        slot = base64.b64decode(d.get("slot_manifest", ""))
+        if slot and hashing.digest(slot).hex() != d["slot_manifest_checksum"]:
+            raise ValueError("the slot manifest does not match its checksum")
         files = tuple(MemoryFile(layout.check_file_name(n), int(o), int(s), str(c)) for n, o, s, c in d["files"])
         return cls(int(d["slot"]), int(d["step"]), str(d["save_id"]), int(d["rank"]),
                    base64.b64decode(d["step_manifest"]), layout.check_file_name(d["rank_manifest_name"]),
-                   rank_manifest, files, path, float(d.get("created", 0.0)))
+                   rank_manifest, files, path, float(d.get("created", 0.0)), slot)
 
 
 class MemoryTier:
@@ -198,11 +212,14 @@ class MemoryTier:
         """Remove slot ``index``'s memory manifest: what the slot holds is no longer a committed copy."""
         self._remove(self.manifest_path(index))
 
-    def commit_slot(self, local: Store, index: int, base: int, step: int, file_views: list[memoryview]) -> None:
+    def commit_slot(self, local: Store, index: int, base: int, step: int, file_views: list[memoryview], *,
+                    staged: tuple[list[StagedFile], list[LeafMeta]] | None = None) -> None:
         """Commit slot ``index`` (its buffer at address ``base``) as the memory copy of ``step``, which the local
-        tier has just committed from it; ``file_views``: each data file's bytes in the slot, in part order. A step
-        whose files are not the slot's bytes as they are (an incremental step referencing earlier steps) is not
-        committed. Never raises: a failure only logs (the save itself succeeded)."""
+        tier has just committed from it; ``file_views``: each data file's bytes in the slot, in part order.
+        ``staged``: the snapshot's files and tensors, so that a step whose files are not the slot's bytes as they
+        are (an incremental step referencing earlier steps) is committed with a slot manifest
+        (:func:`slot_manifest`); without it such a step is not committed. Never raises: a failure only logs (the
+        save itself succeeded)."""
         from .reader import read_ranks, read_step  # the reader imports nothing of this module
 
         try:
@@ -212,13 +229,17 @@ class MemoryTier:
             rank_raw = local.read_bytes(join(folder, ref.name), max_size=_MAX_MANIFEST)
             (rm,) = read_ranks(local, manifest, [self.rank])
             files = _slot_files(rm, base, file_views)
+            slot_raw = b""
             if files is None:
-                log.debug("tier memory: step %d is not the slot's bytes as they are (incremental): not committed "
-                          "(%s)", step, self.dir)
-                return
+                made = None if staged is None else slot_manifest(rm, base, *staged)
+                if made is None:
+                    log.info("tier memory: step %d is not the slot's bytes as they are: not committed (%s)", step,
+                             self.dir)
+                    return
+                files, slot_raw = made
             raw = local.read_bytes(join(folder, layout.STEP_MANIFEST), max_size=_MAX_MANIFEST)
             copy = MemoryCopy(index, step, manifest.save_id, self.rank, raw, ref.name, rank_raw, files,
-                              self.slot_path(index), time.time())
+                              self.slot_path(index), time.time(), slot_raw)
             self._write_small(self.manifest_path(index), copy.to_bytes())
         except Exception as exc:  # noqa: BLE001 - the memory copy is an optimisation: the save stands
             log.warning("tier memory: step %d not committed in %s: %s", step, self.dir, exc)
@@ -277,6 +298,46 @@ def _slot_files(rm: RankManifest, base: int, file_views: list[memoryview]) -> tu
             return None
         out.append(MemoryFile(f.name, addr - base, f.size, f.checksum))
     return tuple(out)
+
+
+def same_tensor(a: TensorRecord, b: TensorRecord) -> bool:
+    """Whether two records describe the same tensor with the same bytes (wherever they are stored)."""
+    return (a.index, a.name, a.path, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.kind, a.shard) == \
+        (b.index, b.name, b.path, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.kind, b.shard)
+
+
+def slot_manifest(rm: RankManifest, base: int, files: list[StagedFile],
+                  leaves: list[LeafMeta]) -> tuple[tuple[MemoryFile, ...], bytes] | None:
+    """The slot's files (each staged file's image, header included, at its offset in the slot) and a rank
+    manifest of them, for the memory copy of ``rm``, a step whose files are not the slot's images (incremental):
+    the tensor records of ``rm`` with their place in the slot, each file's checksum made of its header's digest
+    and those records' checksums (docs/format.md section 7), no references. A restore verifies the slot's bytes
+    against it (:func:`.memory_restore.served_manifest` checks first that it describes ``rm``'s tensors). None where
+    the snapshot does not match ``rm`` tensor for tensor, or a file is not in the slot."""
+    if len(rm.tensors) != len(leaves):
+        return None
+    index = {f.part: k for k, f in enumerate(files)}
+    tensors = []
+    for rec, m in zip(rm.tensors, leaves):
+        if m.part not in index:
+            return None
+        mine = TensorRecord(rec.index, m.name, m.path, m.dtype, tuple(m.shape), index[m.part], m.offset, m.nbytes,
+                            rec.checksum, m.kind, m.shard)
+        if not rec.checksum or not same_tensor(rec, mine):
+            return None
+        tensors.append(mine)
+    records, placed = [], []
+    for f in files:
+        addr = buffer_address(f.data)
+        if addr is None or addr < base:
+            return None
+        name = layout.data_file_name(rm.rank, f.part, rm.save_id)
+        digests = [hashing.digest(f.data[: f.data_start])] + [bytes.fromhex(tensors[i].checksum) for i in f.leaves]
+        checksum = hashing.file_checksum(digests)
+        records.append(FileRecord(name=name, size=f.data.nbytes, checksum=checksum, data_start=f.data_start))
+        placed.append(MemoryFile(name, addr - base, f.data.nbytes, checksum))
+    slot = dataclasses.replace(rm, files=tuple(records), tensors=tuple(tensors))
+    return tuple(placed), slot.to_bytes()
 
 
 def read_copies(folder: str) -> dict[int, MemoryCopy]:
@@ -411,194 +472,5 @@ def open_tier(local_root: str, rank: int) -> MemoryTier | None:
         return None
 
 
-class MemoryStore(Store):
-    """A committed memory copy as a read-only store holding one step folder, for the ordinary reader (every byte
-    hashed and matched against the rank manifest). The slot file is mapped privately (copy on write: nothing here
-    ever changes the shared copy). :meth:`staging_buffer` hands the mapping itself to a restore as its staging
-    buffer where the files lie at the offsets a restore's buffer would put them; :meth:`readinto` into that same
-    memory copies nothing."""
-
-    tier = "memory"
-    read_concurrency = 1
-
-    def __init__(self, copy: MemoryCopy, on_close: Callable[[], None] | None = None) -> None:
-        self.copy = copy
-        self._on_close = on_close
-        self.url = copy.path
-        self._folder = layout.step_dir(copy.step)
-        fd = open_regular(copy.path, os.O_RDONLY, tier="memory")
-        try:
-            size = os.fstat(fd).st_size
-            need = max((f.offset + f.size for f in copy.files), default=0)
-            if size < need:
-                raise OSError(f"the slot file holds {size} bytes, its manifest needs {need}")
-            self._map = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_PRIVATE,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._view: memoryview | None = memoryview(self._map)
-        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        # map every page now, in one call, rather than one fault per 4 KiB page as the reads touch them (read
-        # faults only: no page is copied); where the kernel lacks the advice the pages fault in on use
-        if _madvise is not None and need:
-            _madvise(self._base, need, _MADV_POPULATE_READ)
-        self._files = {join(self._folder, f.name): f for f in copy.files}
-        offsets, total = [], 0
-        for f in copy.files:
-            offsets.append(total)
-            total += -(-f.size // 4096) * 4096
-        if offsets != [f.offset for f in copy.files] or total > size:
-            self._map.close()
-            raise OSError("the files do not lie where a restore's buffer puts them")
-
-    def staging_buffer(self, n: int) -> memoryview | None:
-        """The mapping's first ``n`` bytes (the files at the offsets of reader.buffer_layout), to serve as a
-        restore's staging buffer; None once closed or where ``n`` is larger than the slot."""
-        if self._view is None or n > len(self._map):
-            return None
-        return self._view[:n]
-
-    def _small(self, rel: str) -> bytes | None:
-        if rel == join(self._folder, layout.STEP_MANIFEST):
-            return self.copy.step_manifest
-        if rel == join(self._folder, self.copy.rank_manifest_name):
-            return self.copy.rank_manifest
-        return None
-
-    def list(self, rel: str = "") -> list[str]:
-        if rel in ("", "."):
-            return [self._folder]
-        if rel.strip("/") == self._folder:
-            return [layout.STEP_MANIFEST, self.copy.rank_manifest_name, *(f.name for f in self.copy.files)]
-        return []
-
-    def exists(self, rel: str) -> bool:
-        return rel == self._folder or self._small(rel) is not None or rel in self._files
-
-    def size(self, rel: str) -> int:
-        small = self._small(rel)
-        if small is not None:
-            return len(small)
-        if rel in self._files:
-            return self._files[rel].size
-        raise FileNotFoundError(rel)
-
-    def read_bytes(self, rel: str, *, max_size: int) -> bytes:
-        small = self._small(rel)
-        if small is None:
-            f = self._file(rel)
-            small = bytes(self._map[f.offset : f.offset + min(f.size, max_size + 1)])
-        if len(small) > max_size:
-            raise CheckpointError(f"file larger than {max_size} bytes", tier=self.tier, path=f"{self.url}/{rel}")
-        return small
-
-    def _file(self, rel: str) -> MemoryFile:
-        try:
-            return self._files[rel]
-        except KeyError:
-            raise FileNotFoundError(rel) from None
-
-    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
-        f = self._file(rel)
-        n = max(0, min(buf.nbytes, f.size - offset))
-        if n == 0:
-            return 0
-        src = self._base + f.offset + offset
-        dst = buffer_address(buf)
-        if dst == src:  # the restore's buffer is this mapping: the bytes are where they are read to
-            return n
-        if dst is None:
-            buf[:n] = self._map[f.offset + offset : f.offset + offset + n]
-        else:
-            ctypes.memmove(dst, src, n)
-        return n
-
-    def open_read(self, rel: str) -> BinaryIO:
-        f = self._file(rel)
-        return io.BytesIO(self._map[f.offset : f.offset + f.size])
-
-    def makedirs(self, rel: str) -> None:
-        raise self._read_only(rel)
-
-    def open_write(self, rel: str, *, size_hint: int | None = None) -> WriteStream:
-        raise self._read_only(rel)
-
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        raise self._read_only(rel)
-
-    def remove(self, rel: str) -> None:
-        raise self._read_only(rel)
-
-    def _read_only(self, rel: str) -> StorageError:
-        return StorageError("the memory tier is read-only here", tier=self.tier, path=f"{self.url}/{rel}",
-                            transient=False)
-
-    def close(self) -> None:
-        """Unmap (once no view of the mapping is left: a restore's buffer keeps it otherwise until dropped) and give
-        the slot back to the pool (idempotent)."""
-        self._view = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view still exists: the mapping goes with the last one
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-
-def try_memory(memory: MemoryTier, local: Store, step: int, given: StepManifest | None,
-               load: Callable[[MemoryStore, StepManifest], object], src: int,
-               hold: Callable[[int], Callable[[], None] | None], *, what: str = "restore") -> object | None:
-    """``load(store, manifest)`` from this rank's memory copy of ``step`` (the step already chosen from the local
-    tier), where there is one of the same save as the local copy; None (logged: step, tier, path) where there is
-    none, it is of another save, or it fails verification, so that the caller reads the local disk. What ``load``
-    raises for any other reason (a state that does not match the checkpoint) is raised. ``hold(slot)`` keeps saves
-    of this process off the slot until the store is closed (None: a save holds it). ``load`` must close the store
-    once done with its bytes (a restore's staging buffer does, on release); it is closed here if ``load`` raises.
-    ``what``: the caller, in the log lines (``"restore"`` or ``"load"``)."""
-    from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-    from .reader import read_step
-
-    copy = memory.find(step)
-    if copy is None:
-        log.info("%s: step %d is not in tier memory (%s): reading the local disk", what, step, memory.dir)
-        return None
-    try:
-        disk = given if given is not None else read_step(local, step)
-        ref = next((r for r in disk.ranks if r.rank == src), None)
-        if ref is None or src != memory.rank or ref.name != copy.rank_manifest_name \
-                or ref.checksum != hashing.digest(copy.rank_manifest).hex():
-            log.warning("%s: step %d in tier memory (%s) is another save than the local copy: reading the "
-                        "local disk", what, step, copy.path)
-            return None
-        release = hold(copy.slot)
-        if release is None:
-            log.info("%s: step %d in tier memory (%s) is being overwritten by a save: reading the local disk",
-                     what, step, copy.path)
-            return None
-        try:
-            store = MemoryStore(copy, on_close=release)
-        except BaseException:
-            release()
-            raise
-    except (OSError, CheckpointError, StopIteration) as exc:
-        log.warning("%s: step %d in tier memory (%s) cannot be read (%s): reading the local disk", what, step,
-                    copy.path, exc)
-        return None
-    try:
-        out = load(store, disk)
-    except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
-        store.close()
-        log.warning("%s: step %d in tier memory (%s) is corrupt or incomplete (%s; files: %s): reading the "
-                    "local disk", what, step, copy.path, exc, ", ".join(getattr(exc, "bad_files", ())) or "?")
-        return None
-    except BaseException:
-        store.close()
-        raise
-    log.info("%s: step %d from tier memory (%s)", what, step, copy.path)
-    memory.restored.append(step)
-    return out
-
-
-__all__ = ["MemoryCopy", "MemoryStore", "MemoryTier", "job_copies", "job_dir", "open_tier", "reclaim_stale",
-           "shm_root", "steps_in_memory", "try_memory"]
+__all__ = ["FORMAT", "MemoryCopy", "MemoryFile", "MemoryTier", "job_copies", "job_dir", "open_tier", "reclaim_stale",
+           "same_tensor", "shm_root", "slot_manifest", "steps_in_memory"]
