@@ -364,6 +364,7 @@ def job_load4(job: Job) -> None:
         """Saved on 4 ranks as Shard(0) of a 1-D mesh, restored on the (2, 2) mesh as (Shard(0), Replicate): the
         rank at (i, j) needs rows 4i..4i+3, saved by ranks 2i and 2i+1, and reads only those ranks' manifests."""
         import tierckpt.engine.restore as restore_mod
+        import tierckpt.tiers.sharded as sharded_mod
 
         full = {"x": torch.arange(24, dtype=torch.float32).reshape(8, 3)}
         with manager(root, f"ix{rank}", "ixremote") as m:
@@ -376,13 +377,13 @@ def job_load4(job: Job) -> None:
             reads.extend(ranks or [])
             return original(store, manifest, ranks)
 
-        restore_mod.read_ranks = counting
+        restore_mod.read_ranks = sharded_mod.read_ranks = counting  # the step manifest's path, the shard index's
         try:
             with manager(root, f"ix{rank}", "ixremote") as m:
                 st = {"model": distribute(full, mesh2, {"x": "S0,R"}, zero=True)}
                 got = m.restore(st)
         finally:
-            restore_mod.read_ranks = original
+            restore_mod.read_ranks = sharded_mod.read_ranks = original
         return {"restored": got, "exact": same(st["model"]["x"].full_tensor(), full["x"]),
                 "other_ranks_read": sorted(set(reads) - {rank})}
 
