@@ -422,6 +422,19 @@ def _restart_sim(run: Run) -> tuple[str, str]:
                         "bytes of a rank (busiest)", "rank 0 bytes", "largest request, bytes", "keys left"], rows)
 
 
+def _reshard_index(run: Run) -> tuple[str, str]:
+    (name, d), = run
+    rows = [[f"{r['world']:,} -> {r['restored_on']:,}", f"{r['manifest_bytes']:,}", f"{r['before']['bytes']:,}",
+             f"{r['after']['bytes']:,}", f"{r['before']['requests']} / {r['after']['requests']}",
+             f"{(r['before']['parse_s'] + r['before']['plan_s']) * 1e3:.1f} ms",
+             f"{(r['after']['parse_s'] + r['after']['plan_s']) * 1e3:.1f} ms"] for r in d["runs"]]
+    largest = max(d["runs"], key=lambda r: r["world"])
+    head = (f"a resharding rank reads {largest['after']['bytes']:,} B of the shard index at {largest['world']:,} "
+            f"ranks, against {largest['before']['bytes']:,} B of manifest.json")
+    return head, table(["W -> W/2", "manifest.json, bytes", "read a rank before, bytes", "after, bytes",
+                        "requests before / after", "parse and plan before", "after"], rows)
+
+
 # ------------------------------------------------------------------------------------------------------ benchmarks
 @dataclass(frozen=True)
 class Benchmark:
@@ -631,6 +644,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "node wiped. Bytes count keys and values sent and received. [Multi-rank jobs](distributed.md) discusses "
         "them.",
         _restart_sim),
+    Benchmark(
+        "reshard-index", "Resharding: a step's metadata read per rank", rf"cpu_{_TAG}_reshard_index\.json",
+        (".venv/bin/python benchmarks/reshard_index.py --out reshard_index.json",),
+        "A synthetic FSDP step of W ranks (100 tensors, each `Shard(0)` on a 1-D mesh) restored on W/2: per "
+        "target rank, what it reads to find the saved ranks it needs, counted by a POSIX store that counts every "
+        "request and byte. Before: the remote's whole `manifest.json`, then every saved rank's box of every "
+        "tensor; after: the shard index's head and the blocks naming the ranks needed (the library's own reader), "
+        "and the overlapping mesh coordinates only. The most bytes and requests of 4 sampled ranks, median times "
+        "(the VM was loaded by other work: upper bounds). [Multi-rank jobs](distributed.md) discusses them.",
+        _reshard_index),
 )
 
 
