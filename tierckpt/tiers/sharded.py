@@ -421,6 +421,14 @@ def indexed_rank_manifests(tiers: list[Store], manifest: StepManifest, layouts: 
         if found is None:
             return False
         tier, head, prefix = found
+        for rank, (_t, rm) in have.items():  # the ranks already read must stand where the index puts them
+            for key, coord in mesh_index(t.shard for t in rm.tensors):
+                mesh = head.meshes.get(key)
+                if mesh is not None and rank not in mesh.at(coord):
+                    raise CorruptCheckpointError(f"shard index: it does not place rank {rank} at {list(coord)} "
+                                                 f"of mesh {key}, where its manifest does", step=head.step,
+                                                 tier=tier.tier, path=f"{tier.url}/{layout.step_dir(head.step)}/"
+                                                 f"{shard_index.index_name(head.save_id)}")
         wanted = shard_index.ranks_overlapping(head, layouts)
         if wanted is None:
             log.info("restore: step %d: the shard index in tier %s cannot tell which ranks to read; reading the "
