@@ -219,51 +219,33 @@ def test_save_returns_before_the_write_is_durable(tmp_path):
     io2.teardown()
 
 
-def _ddp(phase: str, out, remote: str | None = None) -> list[dict]:
-    """Run a phase of tests/integrations/_lightning_ddp.py (2 DDP processes on CPU) and return each rank's result."""
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def ddp_jobs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each rank's result of the 2-process DDP jobs of tests/integrations/_lightning_ddp.py: an uninterrupted run, a
+    first job saving through the plug-in (rank 0), and two new jobs resuming from "last", one with the first job's
+    folders and one with only its remote. Run once, in a child started with torch already imported."""
+    from tests._support.helpers import subprocess_env
+    from tests._support.procs import run_python
 
-    script = os.path.join(os.path.dirname(__file__), "_lightning_ddp.py")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    out = tmp_path_factory.mktemp("ddp")
+    env = subprocess_env()
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, script, phase, str(out), *([remote] if remote else [])], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = run_python([os.path.join(os.path.dirname(__file__), "_lightning_ddp.py"), str(out)], env=env,
+                      timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.load(open(os.path.join(out, f"{phase}-r{r}.json"))) for r in range(2)]
-
-
-@pytest.fixture(scope="module")
-def ddp_straight(tmp_path_factory):
-    """Each rank's result of the uninterrupted 2-process DDP run (2N steps, no checkpoints): the same for both
-    resume cases below, so run once."""
-    return _ddp("straight", tmp_path_factory.mktemp("ddp-straight"))
-
-
-@pytest.fixture(scope="module")
-def ddp_fit(tmp_path_factory):
-    """The first job of both resume cases below (N steps, checkpoints through the plug-in on rank 0, a remote
-    beside them): run once; each case resumes from a copy of its folder."""
-    out = tmp_path_factory.mktemp("ddp-fit")
-    _ddp("fit", out, str(out / "remote"))
-    return out
+    return {job: [json.load(open(out / f"{job}-r{r}.json")) for r in range(2)]
+            for job in ("straight", "fit", "resume", "resume-remote")}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("wipe_local", [False, True], ids=["same-node", "remote-only"])
-def test_ddp_two_processes_resume_from_last(tmp_path, wipe_local, ddp_straight, ddp_fit):
+@pytest.mark.parametrize("job", ["resume", "resume-remote"], ids=["same-node", "remote-only"])
+def test_ddp_two_processes_resume_from_last(job, ddp_jobs):
     """A 2-process DDP job saves through the plug-in (rank 0) and a new job resumes from "last" on both ranks: rank
     1 reads rank 0's folder without its lock (or the remote when that folder is gone), and both end with the
     weights of an uninterrupted run."""
-    import shutil
-
-    shutil.copytree(ddp_fit, tmp_path, dirs_exist_ok=True)
-    remote = str(tmp_path / "remote")
-    if wipe_local:
-        shutil.rmtree(tmp_path / "local")
-    resumed = _ddp("resume", tmp_path, remote)
-    straight = ddp_straight
+    resumed, straight = ddp_jobs[job], ddp_jobs["straight"]
+    assert [r["global_step"] for r in ddp_jobs["fit"]] == [4, 4]
     for r in range(2):
         assert resumed[r]["loaded_step"] == 4 and resumed[r]["global_step"] == 8, resumed[r]
         assert resumed[r]["weights"] == straight[r]["weights"], f"rank {r} diverged from the uninterrupted run"
