@@ -2,13 +2,14 @@
 
 Run with ``python examples/hf_example.py [--dir FOLDER]`` (a few seconds on CPU; needs ``transformers`` and
 ``accelerate``). Everything it writes goes into ``--dir`` (default: ``tierckpt-hf-example`` in the system's temporary
-folder, or ``$TIERCKPT_EXAMPLE_DIR``), which it wipes first. Three processes train a tiny GPT-2 built from a config
+folder, or ``$TIERCKPT_EXAMPLE_DIR``), which it wipes first. Three runs train a tiny GPT-2 built from a config
 (nothing is downloaded):
 
-1. a run that checkpoints every ``--every`` steps through ``TieredCheckpointCallback`` (a local tier, and a
-   "remote" folder standing in for object storage) and is SIGKILLed right after step ``--crash-at``;
-2. the restarted run: ``tierckpt.hf.train(trainer)`` resumes from the newest intact step in any tier;
-3. an uninterrupted reference run, to compare the per-step losses and the final weights.
+1. a run in a child process that checkpoints every ``--every`` steps through ``TieredCheckpointCallback`` (a local
+   tier, and a "remote" folder standing in for object storage) and is SIGKILLed right after step ``--crash-at``;
+2. the restarted run, in a fresh process: ``tierckpt.hf.train(trainer)`` resumes from the newest intact step in any
+   tier;
+3. an uninterrupted reference run in this process, to compare the per-step losses and the final weights.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def main() -> int:
     print(f"   exit code {rc}" + (" (SIGKILL)" if rc == -signal.SIGKILL else ""))
     print("== 2. a fresh process: tierckpt.hf.train(trainer)")
     subprocess.run(base + ["--role", "resumed"], check=True)
-    print("== 3. the same run without interruption")
-    subprocess.run(base + ["--role", "reference"], check=True)
+    print("== 3. the same run without interruption, in this process")
+    train(args, "reference")
     with open(os.path.join(args.dir, "resumed.json")) as f:
         resumed = json.load(f)
     with open(os.path.join(args.dir, "reference.json")) as f:

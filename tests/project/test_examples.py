@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._support.procs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -23,14 +23,16 @@ TESTED = {"demo_train.py", "hf_example.py", "lightning_example.py", "prometheus_
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 240, **env_vars: str) -> str:
-    """Run a command with a clean, quiet environment; fail with its output unless it exits 0."""
+    """Run ``python ARGS`` with a clean, quiet environment; fail with its output unless it exits 0. The process is
+    forked from a server that has imported torch (:mod:`tests._support.procs`) and runs the script as a fresh
+    interpreter would; the processes the example starts itself are fresh interpreters."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
     env.pop("TIERCKPT_EXAMPLE_DIR", None)
     env.update(env_vars)
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_python(args, cwd=cwd, env=env, timeout=timeout)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}"
+    assert proc.returncode == 0, f"python {' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}"
     return out
 
 
@@ -43,7 +45,7 @@ def cwd(tmp_path: Path) -> Path:
 
 
 def _python(script: str, *args: str) -> list[str]:
-    return [sys.executable, str(EXAMPLES / script), *args]
+    return [str(EXAMPLES / script), *args]
 
 
 def test_every_example_has_a_test() -> None:
@@ -91,7 +93,7 @@ def test_prometheus_example_fresh_then_resumed(tmp_path: Path, cwd: Path) -> Non
 
 
 def test_torchrun_train_on_two_ranks_fresh_then_resumed(tmp_path: Path, cwd: Path) -> None:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               str(EXAMPLES / "torchrun_train.py"), "--local-dir", str(tmp_path / "nvme"),
               "--remote-url", str(tmp_path / "pfs"), "--every", "5"]
     first = _run([*launch, "--steps", "10"], cwd)
