@@ -18,6 +18,15 @@ writers on other hosts use without a lock here and whose uploads look exactly li
 whatever may still be in progress: leftovers younger than ``--min-age`` (default 1 h; S3 multipart uploads by their
 start, folders by their newest file, files of a committed step by their own time), or of unknown age, are kept and
 listed as possibly in progress, unless ``--min-age 0``. Exit codes are :mod:`tierckpt.cli`'s.
+
+Incremental steps: a step that a kept step references is kept (newest first, so a referencing step that goes frees
+the steps it references), and so is a step that a running job's upload references: such a job keeps a lease at the
+root (:mod:`tierckpt.tiers.leases`), and a step a fresh lease pins is kept with a message naming the lease.
+``--force`` deletes pinned steps all the same: the running job's upload then fails, or its step is committed
+referencing bytes that are gone (unreadable there: its local copy stays good). ``--leftovers`` also removes leases
+expired for more than ``--min-age``, and finishes deletions a kill interrupted (a step folder with
+``manifest.deleting.json`` and no ``manifest.json``): committed again if a step references it or a lease pins it,
+removed otherwise.
 """
 
 from __future__ import annotations
@@ -191,6 +200,45 @@ class _OldLeftoversOnly:
         return [line for line in lines if not line.startswith("kept ")]
 
 
+def _finish_deletions(args: argparse.Namespace, store: Store, view: Any, listing: Any) -> list[str]:
+    """Leases expired for more than ``--min-age`` and deletions a kill interrupted (see the module docstring), as
+    seen through ``view`` (young leftovers hidden); ``listing``: the root's listing. Returns what was done (with
+    ``--dry-run``: what would be). Raises what the store raises."""
+    from ..tiers import leases
+    from ..tiers.steps import DELETING_MANIFEST, holds, recommit_if_held, remove_decommitted
+
+    names = list(listing.steps.values()) + list(listing.other)
+    visible = set(view.list(""))
+    actions: list[str] = []
+    for name in sorted(n for n in listing.other if leases.is_lease(n) and n in visible):
+        try:
+            lease = leases.read(store, name)
+        except ValueError as exc:
+            actions.append(f"kept malformed lease {url_of(store, name)} ({exc})")
+            continue
+        if lease is not None and not lease.fresh(time.time() - args.min_age):
+            if not args.dry_run:
+                store.remove(name)
+            actions.append(f"{'would remove' if args.dry_run else 'removed'} expired lease {url_of(store, name)}")
+    for step in sorted(listing.uncommitted):
+        folder = layout.step_dir(step)
+        if folder not in visible or not store.exists(join(folder, DELETING_MANIFEST)):
+            continue
+        where = url_of(store, folder)
+        if args.dry_run:
+            why = holds(store, step, names)
+        else:
+            why = recommit_if_held(store, step, names)
+        if why is not None:
+            actions.append(f"{'would commit' if args.dry_run else 'committed'} step {step} again ({where}): "
+                           f"its deletion was interrupted and {why}")
+        else:
+            if not args.dry_run:
+                remove_decommitted(store, step)
+            actions.append(f"{'would remove' if args.dry_run else 'removed'} {where}: an interrupted deletion")
+    return actions
+
+
 def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[BaseException],
                      errors: list[str]) -> tuple[list[str], list[str]]:
     """Run the store's commit-protocol recovery (or, with ``--dry-run``, list what it would touch): unfinished
@@ -206,6 +254,12 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
         if args.min_age > 0 and not _is_local_tier(store):
             times = bounded(args, store, "list", store.modified_times)
             view = _OldLeftoversOnly(store, times, args.min_age, time.time())
+        listing = bounded(args, store, "list", lambda: list_root(store))
+        finished = bounded(args, store, "finish interrupted deletions of",
+                           lambda: _finish_deletions(args, store, view, listing))
+        if not args.json:
+            for line in finished:
+                print(f"leftover: {line}")
         if args.dry_run:
             found = bounded(args, store, "list", lambda: list_root(view).incomplete)
             uploads = bounded(args, store, "list unfinished uploads",
@@ -215,9 +269,9 @@ def _prune_leftovers(args: argparse.Namespace, store: Store, failures: list[Base
                     print(f"would remove leftover {url_of(store, name)}")
                 for line in uploads:
                     print(line)
-            actions = found + uploads
+            actions = finished + found + uploads
         else:
-            actions = protocol_for(store).recover(view)
+            actions = finished + protocol_for(store).recover(view)
             if not args.json:
                 for action in actions:
                     print(f"leftover: {action}")
@@ -238,7 +292,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """Apply retention by hand: keep the newest ``--keep`` steps plus every ``--keep-every``-th step, and the
     newest intact step (see the module docstring)."""
     from ..retention import KeepPolicy
-    from ..tiers.steps import delete_step, holder
+    from ..tiers import leases
+    from ..tiers.steps import delete_step, plan
 
     for name in ("keep", "keep_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -261,7 +316,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     reports: list[Any] = []
     try:
         _refuse_if_live(store)
-        steps = sorted(bounded_list_root(args, store).steps)
+        listing = bounded_list_root(args, store)
+        steps = sorted(listing.steps)
         if not steps and args.keep is not None:
             say(args, f"no committed checkpoints under {store.url}")
             return EXIT_USAGE
@@ -295,30 +351,42 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 print(f"keeping step {protected}: {why}")
         kept = [s for s in steps if s not in doomed]
         deleted: list[int] = []
+        pinned = bounded(args, store, "read the leases of", lambda: leases.pinned_by(store, listing.other))
+        if pinned and doomed and not args.json:
+            verb = "would delete" if args.dry_run else "deleting"
+            print(("--force: " + verb + " steps that a running job's upload references ({}): that upload then "
+                   "fails, or commits a step whose referenced bytes are gone from this root" if args.force else
+                   "keeping the steps a running job's upload references ({}); --force deletes them, which breaks "
+                   "that upload").format("; ".join(f"step {s}: lease {lease.describe()}"
+                                               for s, lease in sorted(pinned.items()) if s in doomed)))
         # newest first: an incremental step goes before the steps it references, which are then free to go
         would: set[int] = set()
+        held_now = bounded(args, store, "check the references of", lambda: plan(store, doomed, force=args.force)) \
+            if args.dry_run else {}
         for step in sorted(doomed, reverse=True):
             where = url_of(store, layout.step_dir(step))
             if args.dry_run:
-                if holder(store, step, frozenset(would)) is None:
+                if step not in held_now:
                     would.add(step)
                     if not args.json:
                         print(f"would delete step {step} ({where})")
                 elif not args.json:
-                    print(f"would keep step {step}: a step kept references its bytes")
+                    print(f"would keep step {step}: {held_now[step]}")
                 continue
             try:
-                gone = delete_step(store, step)
+                gone = delete_step(store, step, force=True) if args.force else delete_step(store, step)
             except (CheckpointError, OSError) as exc:
                 failures.append(translate(exc, op="delete", tier=store.tier, url=where, step=step))
                 msg = clean(args, f"step {step}: FAILED to delete {where}: {exc}")
                 errors.append(msg)
                 print(msg, file=sys.stderr)
                 continue
-            if not gone:  # a kept step references its bytes (incremental steps)
+            if not gone:  # a kept step references its bytes, or a running job's upload (incremental steps)
                 kept = sorted([*kept, step])
                 if not args.json:
-                    print(f"keeping step {step}: a step kept references its bytes")
+                    print(f"keeping step {step}: " + ("a running job's upload references it (lease "
+                                                      f"{pinned[step].describe()})" if step in pinned and not
+                                                      args.force else "a step kept references its bytes"))
                 continue
             deleted.append(step)
             if not args.json:
@@ -365,6 +433,9 @@ def add_commands(sub: Any) -> None:
     sp.add_argument("--leftovers", action="store_true",
                     help="also remove leftovers of unfinished saves/uploads (on a remote root: those older "
                          "than --min-age only)")
+    sp.add_argument("--force", action="store_true",
+                    help="also delete steps a running job's upload references (a fresh lease at the root pins "
+                         "them): that upload then fails, or commits a step whose referenced bytes are gone")
     sp.add_argument("--min-age", type=seconds, default=DEFAULT_MIN_AGE_S, metavar="SECONDS",
                     help="remote roots: leftovers younger than this may be a live writer's upload in "
                          f"progress and are kept (default {DEFAULT_MIN_AGE_S:g}; 0 removes every leftover)")

@@ -19,6 +19,8 @@ from ..storage.failures import with_deadline
 from ..storage.retry import RetryPolicy
 from ..tiers import identity, uploader
 from ..tiers.listing import TierListings, list_tiers
+from ..tiers.steps import delete_steps
+from ..tiers.steps import record as record_refs
 from ..tiers.verify import list_root
 from . import sharded as _sharded
 
@@ -46,6 +48,21 @@ def upload(eng: Engine, step: int, *, bucket: Any, channel: Any, attempt: str | 
     else:
         assert attempt is not None
         _sharded.upload(eng, step, opts, channel=channel, attempt=attempt)
+    _note_refs(eng, step)
+
+
+def _note_refs(eng: Engine, step: int) -> None:
+    """Remember what ``step`` references in both tiers: what the local step references (the remote's copy references
+    as much or, with files carried over, less), so that retention reads no manifest of a step this job uploaded.
+    Read from the local tier; nothing is remembered if it cannot be read."""
+    assert eng.remote is not None
+    try:
+        m = read_step_manifest(eng.local, layout.step_dir(step), step)
+    except Exception:  # the remote's manifest is read when needed
+        return
+    if m is not None:
+        record_refs(eng.local, step, m.refs)
+        record_refs(eng.remote, step, m.refs)
 
 
 def apply_local_retention(eng: Engine, retention: ReplicationPolicy) -> None:
@@ -54,10 +71,10 @@ def apply_local_retention(eng: Engine, retention: ReplicationPolicy) -> None:
     if eng.coord is not None and not eng.coord.topology.is_node_leader:
         return
     try:
+        listed = list_root(eng.local).steps
+        deletions = retention.local_deletions(listed, replicated=None)
         # newest first: an incremental step goes before the steps it references, which can then go too
-        deletions = retention.local_deletions(list_root(eng.local).steps, replicated=None)
-        for step, _why in sorted(deletions, key=lambda d: -d[0]):
-            uploader.delete_step(eng.local, step)
+        delete_steps(eng.local, [step for step, _why in deletions], listed=listed)
     except Exception as exc:
         log.warning("tier local: retention failed under %s: %s", eng.local.url, exc)
 

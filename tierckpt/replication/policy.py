@@ -128,3 +128,15 @@ class ReplicationPolicy:
     def retry_delay(self, failures: int) -> float:
         """Seconds before the next try after ``failures`` consecutive failed uploads (>= 1)."""
         return min(self.retry_max_s, self.retry_initial_s * 2 ** max(0, failures - 1))
+
+
+def remote_summary(remote: Collection[int], local: Collection[int], *, newest: int = 8,
+                   most: int = 256) -> list[int]:
+    """The remote steps a multi-rank job's leader tells its followers at start-up (the followers apply the same
+    decisions from them): the remote steps from the oldest local step on (what decides which local steps are
+    replicated and which the remote's retention keeps; at most ``most`` of them, the newest) and the ``newest``
+    newest ones, sorted. Bounded however many steps the remote holds."""
+    floor = min(local, default=None)
+    ordered = sorted(remote)
+    wanted = [s for s in ordered if floor is not None and s >= floor][-most:]
+    return sorted(set(wanted) | set(ordered[-newest:]))

@@ -47,7 +47,7 @@ from ..storage.failures import with_deadline
 from ..tiers.listing import list_root
 from .follower import Follower
 from .health import Health, UploadChannel
-from .policy import REPLICATED, ReplicationPolicy
+from .policy import REPLICATED, ReplicationPolicy, remote_summary
 from .remote_state import RemoteState
 from .trimming import Trimming
 
@@ -471,8 +471,8 @@ class Replicator(Trimming, Follower):
                              self.remote.url)
             listed = self._remote_steps
         if self._channel is not None:
-            self._publish({"remote": None if listed is None else sorted(listed),
-                           "resumed_done": [s for s, _ in done]})
+            self._publish({"remote": None if listed is None else remote_summary(listed, self._local_steps()),
+                           "remote_count": len(listed or ()), "resumed_done": [s for s, _ in done]})
         if done:
             self.apply_local_retention()  # first: wait() returns with the local tier trimmed
         for s, waiters in done:

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from ..tiers.listing import list_root
-from ..tiers.steps import delete_step
+from ..tiers.steps import delete_step, delete_steps
 from .policy import OVER_BACKLOG, REPLICATED, SUPERSEDED
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,15 @@ class Trimming:
                     replicated = set(self._replicated)
                     remote = set(self._remote_steps or ())
                     current = self._current
-                # newest first: an incremental step goes before the steps it references, which can then go too
                 deletions = self.policy.local_deletions(local, replicated=replicated, remote=remote)
-                for step, why in sorted(deletions, key=lambda d: -d[0]):
+                doomed = []
+                for step, why in deletions:
                     if why != REPLICATED and (self._channel is not None or step == current):
                         continue  # multi-rank: unreplicated steps go only when the leader's decision says so
                     self._log_deletion(step, why)
-                    delete_step(self.local, step)
+                    doomed.append(step)
+                # newest first: an incremental step goes before the steps it references, which can then go too
+                delete_steps(self.local, doomed, listed=local)
             except Exception as exc:
                 log.warning("tier local: retention failed under %s: %s", self.local.url, exc)
 
@@ -55,8 +57,8 @@ class Trimming:
         try:
             steps = set(list_root(self.remote).steps)
             keep = self.policy.remote_keeps(steps)
-            # newest first: a step an incremental step references is held until that step goes
-            held = {step for step in sorted(steps - keep, reverse=True) if not delete_step(self.remote, step)}
+            # newest first: a step an incremental step references (or another process pins) is held until it goes
+            held = set(delete_steps(self.remote, steps - keep, listed=steps).held)
             with self._cond:
                 self._listed(set(keep) | held)
         except Exception as exc:

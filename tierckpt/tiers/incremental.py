@@ -13,9 +13,11 @@ about 2^-128 per tensor per save for accidental changes (xxh3 is not a cryptogra
 collide are not guarded against; checksums here guard against accidents, as everywhere in the format).
 
 Safety of the referenced bytes (see :mod:`.steps`): a step is never deleted while a committed step of the same tier
-references it, nor while a save in this process is about to (:func:`pinned`). A save pins its baseline's steps
+references it, nor while a save or upload is about to (:func:`pins`: in memory for this process, and on a tier other
+than the local one also in a lease that other processes read, :mod:`.leases`). A save pins its baseline's steps
 before it checks that they are still committed, and unpins them once its own manifest, which names them, is
-committed or the save failed; a kill in between leaves only the save's temporary folder (a leftover).
+committed or the save failed; a kill in between leaves only the save's temporary folder (a leftover) and, on a
+remote, a lease that expires.
 """
 
 from __future__ import annotations
@@ -23,24 +25,31 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import layout
 from ..format.manifest import FileRecord, RankManifest, StepManifest, file_rel, shared_steps
 from ..storage.base import Store
 from ..storage.commit import read_step_manifest
+from . import leases
 
 log = logging.getLogger(__name__)
 
-#: Guards the pins below and every deletion's check of them (:func:`.steps.delete_step`): a pin taken before a
-#: deletion's check holds the step; a deletion that checked first has removed the step before the pin's check.
+#: Guards the pins below and the steps being deleted (:func:`.steps.delete_steps` claims them): a pin taken before a
+#: deletion's claim holds the step; a save that would pin a claimed step waits until the deletion ends, and then
+#: finds the step gone. Never held across a request.
 LOCK = threading.RLock()
+_CHANGED = threading.Condition(LOCK)
 _PINS: Counter[tuple[str, int]] = Counter()
+_DELETING: set[tuple[str, int]] = set()
+#: the longest a save waits for a deletion of a step it would reference
+PIN_WAIT_S = 120.0
 
 
 def pinned(store: Store, step: int) -> bool:
@@ -48,13 +57,42 @@ def pinned(store: Store, step: int) -> bool:
     return _PINS[(store.url, step)] > 0
 
 
+def claim(store: Store, steps: list[int]) -> tuple[list[int], list[int]]:
+    """Claim ``steps`` of ``store`` for a deletion: returns (the steps claimed, the steps pinned, which a deletion
+    must keep). Release with :func:`unclaim`."""
+    with LOCK:
+        held = [s for s in steps if pinned(store, s)]
+        claimed = [s for s in steps if s not in held]
+        _DELETING.update((store.url, s) for s in claimed)
+    return claimed, held
+
+
+def unclaim(store: Store, steps: list[int]) -> None:
+    """The deletion of ``steps`` of ``store`` ended (see :func:`claim`): saves waiting to pin them go on."""
+    with _CHANGED:
+        _DELETING.difference_update((store.url, s) for s in steps)
+        _CHANGED.notify_all()
+
+
 @contextmanager
 def pins(store: Store, steps: tuple[int, ...]) -> Iterator[None]:
-    """Hold ``steps`` of ``store`` against deletion while the block runs."""
-    with LOCK:
+    """Hold ``steps`` of ``store`` against deletion while the block runs: in this process, and on a tier other
+    than the local one also by a lease on it (written before the block starts). Waits while a deletion of one of
+    them runs in this process (at most :data:`PIN_WAIT_S`; raises :class:`~tierckpt.errors.CheckpointError` past
+    that)."""
+    end = time.monotonic() + PIN_WAIT_S
+    with _CHANGED:
+        while any((store.url, s) in _DELETING for s in steps):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise CheckpointError(f"steps {list(steps)} of {store.url} were still being deleted after "
+                                      f"{PIN_WAIT_S:.0f} s", tier=store.tier)
+            _CHANGED.wait(left)
         for s in steps:
             _PINS[(store.url, s)] += 1
+    leased = tuple(steps) if store.tier != "local" else ()
     try:
+        leases.hold(store, leased)
         yield
     finally:
         with LOCK:
@@ -62,6 +100,7 @@ def pins(store: Store, steps: tuple[int, ...]) -> Iterator[None]:
                 _PINS[(store.url, s)] -= 1
                 if _PINS[(store.url, s)] <= 0:
                     del _PINS[(store.url, s)]
+        leases.release(store, leased)
 
 
 def shard_key(shard: dict[str, Any] | None) -> str:
