@@ -1,8 +1,8 @@
-"""Incremental saves in a two-rank job (real gloo ranks, one process each, each rank its own node folder, a shared
-POSIX remote): each rank writes and uploads only its changed shard bytes, the step manifests name every rank's
-references, retention on both tiers keeps the referenced steps, restores are bit-exact, ``verify`` is clean, a
-damaged referenced file makes the restore fall back to an older step, and a resharded restore (2 ranks -> 1
-process) follows the references. The ranks: tests/distributed/_incremental_worker.py."""
+"""Incremental saves in a two-rank job (real gloo ranks, one process each, each rank its own node folder, a shared POSIX
+remote, then an S3 remote on the moto server): each rank writes and uploads only its changed shard bytes, the step
+manifests name every rank's references, retention on both tiers keeps the referenced steps, restores are bit-exact,
+``verify`` is clean, a damaged referenced file makes the restore fall back to an older step, and a resharded restore
+(2 ranks -> 1 process) follows the references. The ranks: tests/distributed/_incremental_worker.py."""
 
 from __future__ import annotations
 
@@ -28,9 +28,12 @@ BASE_SHARD = 128 * 128 * 4
 
 
 @pytest.fixture(scope="module")
-def inc2(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+def inc2(tmp_path_factory: pytest.TempPathFactory, s3_server: Any, s3_admin: Any) -> Ranks:
     root = tmp_path_factory.mktemp("inc2")
-    cfg = {"world": 2, "root": str(root), "store": f"file://{root}/store-{secrets.token_hex(4)}", "timeout": 20}
+    bucket = f"tierckpt-inc2-{secrets.token_hex(4)}"
+    s3_admin.mkdir(bucket)
+    cfg = {"world": 2, "root": str(root), "store": f"file://{root}/store-{secrets.token_hex(4)}", "timeout": 20,
+           "s3": f"s3://{bucket}/run", "storage_options": s3_server.storage_options()}
     cfg_path = root / "config-inc2.json"
     cfg_path.write_text(json.dumps(cfg))
     ranks = run_ranks(lambda r: [str(WORKER), "inc2", str(r), str(cfg_path)], 2, root, "inc2", env=rank_env(),
@@ -119,3 +122,32 @@ def test_peer_copies_keep_multi_rank_steps_incremental(caplog: pytest.LogCapture
     assert "written whole" not in caplog.text
     inc = engine(2, full_every=3).incremental
     assert inc is not None and (inc.rank, inc.world_size, inc.full_every) == (0, 2, 3)
+
+
+def test_incremental_steps_on_s3_upload_only_the_changed_shards_and_retention_keeps_what_they_reference(
+        inc2: Ranks, s3_server: Any, tmp_path: Path) -> None:
+    """The S3 remote, ``full_every=3`` and ``keep_remote=2``: 1 whole, 2 and 3 reference 1, 4 whole, 5 references
+    4. Step 1 stays while step 2 or 3 is kept; after step 5 the remote holds 4 and 5 only. A restart on empty node
+    folders restores step 5 from the remote and saves step 6."""
+    recs = inc2.phases("s3")
+    for rank, rec in enumerate(recs):
+        steps = {int(k): v for k, v in rec["steps"].items()}
+        if rank == 0:  # rank 0 applies the remote's retention before its wait() returns; rank 1 may list earlier
+            assert [steps[s]["remote"] for s in range(1, 6)] == [[1], [1, 2], [1, 2, 3], [1, 3, 4], [4, 5]], rec
+        assert [steps[s]["refs"] for s in range(1, 6)] == [[], [1], [1], [], [4]], (rank, rec)
+        for s in (1, 4):
+            assert steps[s]["own"] > BASE_SHARD, (rank, s, steps[s])
+        for s in (2, 3, 5):  # this rank's adapter shard and headers only
+            assert steps[s]["own"] < 8192, (rank, s, steps[s])
+        assert rec["restored"] == 5 and rec["exact"], (rank, rec)
+        assert rec["remote"] == [4, 5, 6], (rank, rec)  # keep 5 and 6, and step 4 that step 5 references
+    assert recs[0]["verify"] == 0, recs[0]
+    # a resharded restore of the remote's step 6 onto one process follows its references to step 5
+    cfg = json.loads((inc2.root / "config-inc2.json").read_text())
+    st: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in full(6).items()}, "step": 0}
+    with tierckpt.CheckpointManager(tmp_path / "one", remote=cfg["s3"], storage_options=cfg["storage_options"],
+                                    rank=0, world_size=1) as m:
+        assert m.restore(st, step=6, source="remote") == 6
+    assert st["step"] == 6
+    for k, ref in full(6).items():
+        assert torch.equal(st["model"][k].view(torch.uint8), ref.view(torch.uint8)), k
