@@ -247,3 +247,23 @@ def test_an_index_that_misplaces_the_ranks_already_read_is_not_used(tmp_path: Pa
         have: dict[int, Any] = {3: (store, own)}
         assert sharded.indexed_rank_manifests([store], manifest, layouts, have, lambda t: None) is used
         assert ("does not place rank 3 at [3] of mesh 4" in caplog.text) is not used, caplog.text
+
+
+def test_a_remote_that_cannot_be_read_for_the_index_leaves_the_step_manifest_path(tmp_path: Path) -> None:
+    """The remote down at a restart: no index is used (the caller's reads, which a node's complete copy may serve
+    without the remote, decide), instead of the restore failing on the index."""
+    from tierckpt.errors import StorageUnavailableError
+    from tierckpt.storage.faulty import FaultyStore
+
+    raw = shard_index.build(7, SID, 8, refs(8))
+    assert raw is not None
+    inner = LocalStore(tmp_path, tier="remote")
+    inner.makedirs("step-0000000007")
+    inner.put_atomic(f"step-0000000007/{shard_index.index_name(SID)}", raw)
+    down = FaultyStore(inner, fail={"readinto": "all"},
+                       error_factory=lambda op, n: StorageUnavailableError(f"injected: {op} #{n}", tier="remote"))
+    manifest = StepManifest(step=7, world_size=8, save_id=SID, ranks=refs(1), total_bytes=0)
+    with pytest.raises(StorageUnavailableError):
+        sharded._index_head(down, manifest)
+    layouts = [((16, 2), ("S(0)",), (8,), "8", ((0, 0), (4, 2)))]
+    assert sharded.indexed_rank_manifests([down], manifest, layouts, {}, lambda t: None) is False

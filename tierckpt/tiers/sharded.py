@@ -414,8 +414,9 @@ def indexed_rank_manifests(tiers: list[Store], manifest: StepManifest, layouts: 
     index's reference, any other (a node's local copy) through ``manifest_of`` (its own, small ``manifest.json``).
     Returns False, having read no rank manifest, where no tier holds an index (a step saved before indexes, or
     without distributed tensors), where it cannot tell, or where it is damaged (logged, naming the step, tier and
-    file): the caller then reads as without one. ``manifest`` may be cut down to any rank (only its step, save id
-    and world size are used). Storage errors propagate."""
+    file), or where a tier could not be read for it (the caller's own reads, which may not need that tier, then
+    meet the error if they do): the caller then reads as without one. ``manifest`` may be cut down to any rank
+    (only its step, save id and world size are used). A storage error reading a rank's manifest propagates."""
     try:
         found = next((f for f in (_index_head(t, manifest) for t in tiers) if f is not None), None)
         if found is None:
@@ -438,6 +439,9 @@ def indexed_rank_manifests(tiers: list[Store], manifest: StepManifest, layouts: 
         refs = _index_refs(tier, head, prefix, need) if need else {}
     except CorruptCheckpointError as exc:
         log.warning("restore: step %d: %s; reading the step manifest instead", manifest.step, exc)
+        return False
+    except StorageError as exc:  # the remote is down: a node's own copy may still hold every rank needed
+        log.info("restore: step %d: cannot read a shard index (%s); reading the step manifests", manifest.step, exc)
         return False
     for rank in need:
         for t in tiers:
