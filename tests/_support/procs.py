@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: what the forkserver imports once; every child starts with these in ``sys.modules``
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy"]
+#: what the forkserver imports once; every child starts with these in ``sys.modules`` (s3fs: 0.3 s of CPU for each
+#: child that reaches an S3 remote otherwise; it reads its environment and credentials only when used)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "s3fs"]
 _context: Any = None
 
 
