@@ -183,5 +183,51 @@ def scenario_inc2(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> 
         dist.barrier()
 
 
+def scenario_inckill(rank: int, world: int, cfg: dict[str, Any], rec: Recorder) -> None:
+    """A two-rank incremental job for the kill-anywhere harness (tests/reliability/test_incremental_kill.py):
+    ``phase`` ``run`` saves steps 1-5 (``full_every=3``, ``keep_local=keep_remote=2``, waiting for each), rank
+    ``kill_rank`` armed with the fault point ``fault``; ``check`` restarts: restores the newest step (recording
+    whether it is bit-exact), saves the two steps after the newest one started, and restores again."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tierckpt import CheckpointManager, faults
+
+    if cfg.get("fault") and rank == cfg["kill_rank"]:
+        faults._target = faults._parse(cfg["fault"])  # this rank only: the environment is the job's
+    root = Path(cfg["root"])
+    node, progress = root / f"n{rank}", root / f"progress-r{rank}"
+    mesh = init_device_mesh("cpu", (world,))
+
+    def manager() -> Any:
+        return CheckpointManager(node, remote=cfg["remote"], collective_timeout_s=cfg["timeout"], incremental=True,
+                                 full_every=3, keep_local=2, keep_remote=2, upload_threads=2)
+
+    def run() -> dict[str, Any]:
+        with manager() as mgr:
+            for s in range(1, 6):
+                with progress.open("a") as f:
+                    f.write(f"start {s}\n")
+                mgr.save(s, state(mesh, s))
+                mgr.wait()
+                with progress.open("a") as f:
+                    f.write(f"done {s}\n")
+        return {}
+
+    def check() -> dict[str, Any]:
+        with manager() as mgr:
+            st = state(mesh, 0, zero=True)
+            got = mgr.restore(st)
+            first = {"restored": got, "exact": got is not None and exact(st, got)}
+            for s in (cfg["next"], cfg["next"] + 1):
+                mgr.save(s, state(mesh, s))
+                mgr.wait()
+            st = state(mesh, 0, zero=True)
+            again = mgr.restore(st)
+        return {**first, "again": again, "again_exact": again is not None and exact(st, again)}
+
+    rec.phase(cfg["phase"], run if cfg["phase"] == "run" else check)
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    run_worker({"inc2": scenario_inc2})
+    run_worker({"inc2": scenario_inc2, "inckill": scenario_inckill})

@@ -8,24 +8,39 @@ pass ``tierckpt verify`` (which reads every referenced file) on every tier, and 
 each tier holds only what retention keeps and the steps those reference (a kill never leaves unreferenced steps
 for good), and ``tierckpt prune --leftovers`` leaves the remote without leftovers. The children fork from the
 kill harness's server (tests/reliability/_rel_kill_saver.py).
+
+Two-rank jobs (real gloo ranks, tests/distributed/_incremental_worker.py ``inckill``): one rank is SIGKILLed at a
+point of an incremental save, of its shard's upload, of rank 0's remote commit or of retention; the other rank is
+then killed too (as a launcher does when a rank dies). A restarted job must find every referenced step committed on
+every tier, restore the newest committed step bit-exactly, save two more steps, and leave each tier holding what
+retention keeps, the steps those reference and the steps a fresh lease of the killed job still pins; ``tierckpt
+verify`` passes on every tier and ``prune --leftovers`` leaves the remote without leftovers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import random
+import secrets
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests._support.helpers import assert_tree_equal
+from tests._support.procs import forkserver, run_as_main
+from tests._support.ranks import rank_env
 from tests.reliability._rel_kill_saver import INCREMENTAL_KW, MANAGER_KW, inc_state, rel_empty
 from tests.reliability.test_kill import LOCAL_POINTS, REMOTE_ONLY, Server, _leftovers, _progress
 from tierckpt import CheckpointManager, cli
 from tierckpt.storage.commit import read_step_manifest
 from tierckpt.storage.local import LocalStore
+from tierckpt.tiers import leases
 from tierckpt.tiers.listing import list_root
 
 pytestmark = pytest.mark.timeout(240)
@@ -138,3 +153,89 @@ def test_incremental_kill_at_random_times(server: Server, tmp_path: Path, remote
     for i in range(3):
         _trial(server, tmp_path / f"r{i}", remote=remote, fault=None, kill_after=rng.uniform(0.05, 0.6),
                seed=200 + i, expect_kill=False)
+
+
+# ------------------------------------------------------------------------------------------------ two-rank jobs
+WORKER = Path(__file__).resolve().parents[1] / "distributed" / "_incremental_worker.py"
+
+
+def _job(root: Path, cfg: dict[str, Any], name: str, timeout: float = 120) -> list[int | None]:
+    """Run the two ranks of ``cfg``'s phase; once a rank dies of a signal, SIGKILL the other. Returns the exit
+    codes."""
+    cfg_path = root / f"config-{name}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    ctx = forkserver()
+    procs = [ctx.Process(target=run_as_main, args=([str(WORKER), "inckill", str(r), str(cfg_path)], rank_env(),
+                                                   str(root), str(root / f"log-{name}-r{r}.txt")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _log(root: Path, name: str) -> str:
+    return "\n".join(f"--- rank {r}:\n" + (root / f"log-{name}-r{r}.txt").read_text()[-3000:] for r in range(2))
+
+
+def _rank_trial(base: Path, rank: int, fault: str) -> None:
+    base.mkdir(parents=True)
+    store = f"file://{base}/store-{secrets.token_hex(4)}"
+    cfg: dict[str, Any] = {"world": 2, "root": str(base), "remote": str(base / "remote"), "timeout": 10,
+                           "phase": "run", "fault": fault, "kill_rank": rank, "store": store}
+    what = f"two ranks, rank {rank} killed at {fault}"
+    codes = _job(base, cfg, "run")
+    assert codes[rank] == -signal.SIGKILL, f"{what}: not killed ({codes})\n{_log(base, 'run')}"
+    progress = [_progress(base / f"progress-r{r}") for r in range(2)]
+    started, done = max(p[0] for p in progress), min(p[1] for p in progress)
+    stores = [LocalStore(base / f"n{r}") for r in range(2)] + [LocalStore(base / "remote", tier="remote")]
+    for st in stores:  # referenced bytes are never deleted
+        refs = _refs(st)
+        missing = {s: r for s, r in refs.items() if not set(r) <= set(refs)}
+        assert not missing, f"{what}: {st.url} steps reference steps it lacks: {missing} of {sorted(refs)}"
+    cfg.update(phase="check", fault=None, next=started + 1, store=f"file://{base}/store-{secrets.token_hex(4)}")
+    codes = _job(base, cfg, "check")
+    assert codes == [0, 0], f"{what}: the restarted job failed ({codes})\n{_log(base, 'check')}"
+    for r in range(2):
+        rec = json.loads((base / f"result-inckill-r{r}.json").read_text())["check"]
+        assert "phase_error" not in rec, f"{what}: rank {r}: {rec}"
+        assert done <= (rec["restored"] or 0) <= started and rec["exact"], f"{what}: rank {r}: {rec}"
+        assert rec["again"] == started + 2 and rec["again_exact"], f"{what}: rank {r}: {rec}"
+    remote = stores[-1]
+    if _leftovers(base / "remote"):
+        rc, out = _quiet("prune", str(base / "remote"), "--keep", "100", "--leftovers", "--min-age", "0")
+        assert rc == 0, f"{what}: prune --leftovers: {rc}\n{out}"
+    assert _leftovers(base / "remote") == [], what
+    pinned = set(leases.pinned_by(remote, remote.list("")))  # the killed job's lease, fresh for a while
+    for st in stores:
+        rc, out = _quiet("verify", str(st.local_path))
+        assert rc == 0, f"{what}: verify {st.url}: {rc}\n{out}"
+        refs = _refs(st)
+        assert refs[max(refs)], f"{what}: {st.url}: step {max(refs)} references nothing: not incremental"
+        kept = sorted(refs)[-2:]
+        expect = set(kept) | {r for s in kept for r in refs[s]}
+        pins = pinned if st is remote else set()
+        assert expect <= set(refs) <= expect | pins, f"{what}: {st.url} holds {sorted(refs)}, retention keeps " \
+            f"{sorted(expect)} (and the lease pins {sorted(pins)})"
+
+
+#: rank 1 in its shard's upload of step 3 (which references step 1); rank 0 in its remote commit of step 2, after
+#: every shard reported (its lease pinning step 1 is left behind); rank 0 in retention (a remote deletion between its
+#: decommit and its check, or a local one)
+TWO_RANK_KILLS = [(1, "mid-upload:3"), (0, "remote-commit:2"), (0, "retention:2")]
+
+
+@pytest.mark.parametrize(("rank", "fault"), TWO_RANK_KILLS, ids=["r1-mid-upload", "r0-remote-commit", "r0-retention"])
+def test_two_rank_incremental_kill(tmp_path: Path, rank: int, fault: str) -> None:
+    _rank_trial(tmp_path / "t", rank, fault)
