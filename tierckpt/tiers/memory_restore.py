@@ -18,6 +18,8 @@ import io
 import logging
 import mmap
 import os
+import threading
+import time
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
@@ -66,10 +68,8 @@ class MemoryStore(Store):
             os.close(fd)
         self._view: memoryview | None = memoryview(self._map)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        # map every page now, in one call, rather than one fault per 4 KiB page as the reads touch them (read
-        # faults only: no page is copied); where the kernel lacks the advice the pages fault in on use
-        if _madvise is not None and need:
-            _madvise(self._base, need, _MADV_POPULATE_READ)
+        # the pages are mapped chunk by chunk as the reader reaches them (:meth:`readinto`), on its io threads, so
+        # that mapping one chunk overlaps hashing the one before and the files map in parallel
         self._files = {join(self._folder, f.name): f for f in copy.files}
         offsets, total = [], 0
         for f in copy.files:
@@ -132,6 +132,10 @@ class MemoryStore(Store):
         if n == 0:
             return 0
         src = self._base + f.offset + offset
+        if _madvise is not None:  # map the chunk's pages in one call (read faults only: no page is copied), rather
+            # than one fault per few pages as the hash or the copy touch them; without the advice they fault in on use
+            start = src - src % mmap.PAGESIZE
+            _madvise(start, src + n - start, _MADV_POPULATE_READ)
         dst = buffer_address(buf)
         if dst == src:  # the restore's buffer is this mapping: the bytes are where they are read to
             return n
@@ -162,16 +166,34 @@ class MemoryStore(Store):
                             transient=False)
 
     def close(self) -> None:
-        """Unmap (once no view of the mapping is left: a restore's buffer keeps it otherwise until dropped) and give
-        the slot back to the pool (idempotent)."""
-        self._view = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view still exists: the mapping goes with the last one
+        """Give the slot back to the pool and unmap the copy on a thread of its own (:func:`_unmap`), once no view
+        of the mapping is left (a restore's buffer is dropped right after the restore): unmapping a GiB of 4 KiB
+        pages takes about 0.1 s, which the caller need not wait for (idempotent)."""
+        if self._view is not None:
+            self._view = None
+            threading.Thread(target=_unmap, args=(self._map,), name="tierckpt-unmap", daemon=True).start()
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
+
+
+#: The longest :func:`_unmap` waits for the last view of a mapping to go; past it, the mapping goes with that view.
+UNMAP_WAIT_S = 60.0
+
+
+def _unmap(m: mmap.mmap) -> None:
+    """Close ``m`` as soon as nothing exports its memory any more (polled, backing off to 50 ms)."""
+    deadline = time.monotonic() + UNMAP_WAIT_S
+    delay = 0.001
+    while True:
+        try:
+            m.close()
+            return
+        except BufferError:  # a view still exists
+            if time.monotonic() > deadline:
+                return
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
 
 
 def served_manifest(copy: MemoryCopy, disk: StepManifest, src: int) -> StepManifest:
