@@ -136,6 +136,7 @@ def test_an_upload_to_s3_spreads_a_ranks_many_parts_over_prefixes(tmp_path: Path
     assert sorted(k for k in keys if not k.endswith(".safetensors")) == [
         "step-0000000001/manifest.json", f"step-0000000001/{built.manifest.ranks[0].name}"]
     assert cli(["verify", url, *_ep(s3_server)]) == 0
+    assert cli(["inspect", url, "--step", "1", *_ep(s3_server)]) == 0
     pull_step(remote, LocalStore(tmp_path / "pulled", tier="local"), 1)
     pulled = {p.name: p.read_bytes() for p in (tmp_path / "pulled" / "step-0000000001").glob("*.safetensors")}
     assert pulled == built.files

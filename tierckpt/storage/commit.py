@@ -170,6 +170,8 @@ def _named_files(store: Store, folder: str, manifest: StepManifest) -> set[str]:
         rel = join(folder, ref.name)
         try:
             raw = store.read_bytes(rel, max_size=ref.size)
+        except StorageError:
+            raise  # the store could not be read: that says nothing about the step
         except (FileNotFoundError, CheckpointError) as exc:
             raise CorruptCheckpointError(f"rank manifest {ref.name} unreadable: {exc}", step=manifest.step,
                                          tier=store.tier, path=f"{store.url}/{rel}", bad_files=[ref.name]) from None
