@@ -75,7 +75,7 @@ def test_prune_in_another_process_keeps_the_step_an_upload_in_flight_references(
     assert "keeping step 1: a running job's upload references it (lease pins-" in outputs[0], outputs[0]
     assert sorted(list_root(remote).steps) == [1, 2, 3]
     assert not [n for n in remote.list("") if leases.is_lease(n)], "the upload's lease is removed at its end"
-    assert cli.main(["verify", remote.url, *_s3_args(s3_server)]) == 0
+    assert cli.main(["verify", f"{remote.url}/{layout.step_dir(2)}", *_s3_args(s3_server)]) == 0  # and step 1's
     # nothing pins step 1 any more: newest first, step 2 goes, then step 1
     assert cli.main(["prune", remote.url, "--keep", "1", "--no-verify", *_s3_args(s3_server)]) == 0
     assert sorted(list_root(remote).steps) == [3]
@@ -284,3 +284,41 @@ def test_a_save_waits_for_a_deletion_of_its_baseline_in_this_process(tmp_path: P
     incremental.unclaim(store, [1])
     assert entered.wait(5)
     t.join(5)
+
+
+def test_a_jobs_retention_keeps_a_remote_step_another_jobs_lease_pins(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Another job's upload (its lease, written here by hand) references step 1 of a remote this job's retention
+    trims to its newest step: step 1 stays, without being decommitted, until the lease is gone."""
+    remote = LocalStore(tmp_path / "remote", tier="remote")
+    with CheckpointManager(tmp_path / "local", remote=str(tmp_path / "remote"), keep_local=1, keep_remote=1,
+                           log_records=False) as mgr:
+        mgr.save(1, lora_state(1))
+        mgr.wait()
+        remote.put_atomic("pins-other-job.json", leases.encode((1,), time.time() + 600, "other-host-7"))
+        mgr.save(2, lora_state(2))
+        mgr.wait()
+        assert sorted(list_root(remote).steps) == [1, 2]
+        assert "committed again" not in caplog.text
+        remote.remove("pins-other-job.json")
+        mgr.save(3, lora_state(3))
+        mgr.wait()
+        assert sorted(list_root(remote).steps) == [3]
+
+
+def test_a_held_lease_is_refreshed_and_removed_when_released(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leases, "REFRESH_S", 0.05)
+    store = LocalStore(tmp_path / "remote", tier="remote")
+    with incremental.pins(store, (4, 7)):
+        names = [n for n in store.list("") if leases.is_lease(n)]
+        assert len(names) == 1
+        first = leases.read(store, names[0])
+        assert first is not None and first.steps == (4, 7) and first.fresh()
+        deadline = time.monotonic() + 10
+        while leases.read(store, names[0]).expires == first.expires:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "not refreshed"
+            time.sleep(0.02)
+        with incremental.pins(store, (7, 9)):
+            assert leases.read(store, names[0]).steps == (4, 7, 9)  # type: ignore[union-attr]
+        assert leases.read(store, names[0]).steps == (4, 7)  # type: ignore[union-attr]
+    assert not [n for n in store.list("") if leases.is_lease(n)]

@@ -55,10 +55,11 @@ class Trimming:
         if not self._remote_retention:
             return
         try:
-            steps = set(list_root(self.remote).steps)
+            listing = list_root(self.remote)
+            steps = set(listing.steps)
             keep = self.policy.remote_keeps(steps)
             # newest first: a step an incremental step references (or another process pins) is held until it goes
-            held = set(delete_steps(self.remote, steps - keep, listed=steps).held)
+            held = set(delete_steps(self.remote, steps - keep, listed=steps, other=listing.other).held)
             with self._cond:
                 self._listed(set(keep) | held)
         except Exception as exc:

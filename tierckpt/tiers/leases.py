@@ -117,6 +117,7 @@ class _Held:
         self.counts: Counter[int] = Counter()
         self.lock = threading.Lock()  # orders this lease's writes (held across one request of this lease only)
         self.written: tuple[int, ...] = ()
+        self.written_at = 0.0  # time.monotonic() of the last write
 
     def sync(self, refresh: bool = False) -> None:
         """Write the lease as the counts stand (remove it when nothing is pinned). Logged, never raised."""
@@ -130,7 +131,7 @@ class _Held:
                     self.store.put_atomic(self.name, encode(steps, time.time() + TTL_S))
                 else:
                     self.store.remove(self.name)
-                self.written = steps
+                self.written, self.written_at = steps, time.monotonic()
             except Exception as exc:
                 log.warning("tier %s: cannot write the lease %s/%s pinning steps %s: %s; another process's prune "
                             "may not see them", self.store.tier, self.store.url, self.name, list(steps), exc)
@@ -173,14 +174,16 @@ def release(store: Store, steps: tuple[int, ...]) -> None:
 
 
 def _refresh() -> None:
-    """The refresher thread: every :data:`REFRESH_S` seconds, rewrite each held lease; ends once none is held."""
+    """The refresher thread: rewrite each held lease once it was written :data:`REFRESH_S` seconds ago (looking
+    at most every second); ends once none is held."""
+    global _refresher
     while True:
-        time.sleep(REFRESH_S)
+        time.sleep(min(REFRESH_S, 1.0))
         with _GUARD:
             current = [held for held in _HELD.values() if held.counts or held.written]
             if not current:
-                global _refresher
                 _refresher = None
                 return
         for held in current:
-            held.sync(refresh=True)
+            if time.monotonic() - held.written_at >= REFRESH_S:
+                held.sync(refresh=True)

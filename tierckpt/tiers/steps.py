@@ -175,14 +175,15 @@ def delete_step(store: Store, step: int, *, force: bool = False) -> bool:
 
 
 def delete_steps(store: Store, steps: Iterable[int], *, listed: Iterable[int] | None = None,
-                 force: bool = False) -> Deletion:
+                 other: Iterable[str] = (), force: bool = False) -> Deletion:
     """Delete ``steps`` from a store (retention), each so that it stops being a checkpoint before any of its data
     goes, newest first (an incremental step goes before the steps it references, which are then free to go).
 
     A step that a later committed step references, that a save in this process is about to reference, or that a
     fresh lease of another process pins is kept (logged) and listed in :attr:`Deletion.held`: retention deletes it
-    once nothing holds it any more. ``listed``: the committed steps as the caller just listed them (it saves a
-    listing on a remote tier; the check after the decommit lists again). ``force``: leases pin nothing (what a
+    once nothing holds it any more. ``listed``: the committed steps as the caller just listed them, and ``other``
+    the listing's other names (the leases among them): they save a listing on a remote tier, and a pinned step is
+    then not decommitted at all (the check after the decommit lists again). ``force``: leases pin nothing (what a
     running job is uploading may then lose the bytes it references). See the module docstring for the protocol.
 
     POSIX stores: the folder is renamed to a ``.trash-`` name in one atomic step (start-up recovery removes what a
@@ -204,7 +205,7 @@ def delete_steps(store: Store, steps: Iterable[int], *, listed: Iterable[int] | 
                     _remove(store, s, decommitted=False)
                     out.deleted.append(s)
         else:
-            _delete_shared(store, claimed, listed, force, out)
+            _delete_shared(store, claimed, listed, list(other), force, out)
     finally:
         unclaim(store, claimed)
     for s, why in sorted(out.held.items()):
@@ -212,12 +213,12 @@ def delete_steps(store: Store, steps: Iterable[int], *, listed: Iterable[int] | 
     return out
 
 
-def _delete_shared(store: Store, claimed: list[int], listed: Iterable[int] | None, force: bool,
+def _delete_shared(store: Store, claimed: list[int], listed: Iterable[int] | None, other: list[str], force: bool,
                    out: Deletion) -> None:
     """:func:`delete_steps` on a tier other processes may write: decommit, check again, then delete or recommit."""
     if listed is not None:  # first what is known already: a step held now is not decommitted at all
-        names = [layout.step_dir(s) for s in listed]
-        out.held.update(_holds(store, claimed, names, use_leases=False))
+        names = [layout.step_dir(s) for s in listed] + other
+        out.held.update(_holds(store, claimed, names, use_leases=not force))
     else:
         out.held.update(_holds(store, claimed, store.list(""), use_leases=not force))
     todo = [s for s in claimed if s not in out.held]
