@@ -5,14 +5,17 @@ step is durable, which step to restore, where a node's ranks are) is an :meth:`C
 job's c10d store (the TCPStore or FileStore the default process group was created with). Agreement ``n`` of lane
 ``L`` of manager ``m`` uses the keys under ``tierckpt/m<m>/<L>/<n>/``:
 
-1. each rank but 0 sets ``in/<rank>`` (its input) and adds 1 to ``arrived``; the rank that brings it to W sets
-   ``all``;
-2. rank 0 waits for ``all`` (one key), reads the W-1 inputs in batches (:mod:`.store_client`: at most 512 keys and
-   about 64 KiB per request), computes the answers, sets ``out/<rank>`` for the ranks whose answer differs from the
+1. each rank but 0 sets ``in/<rank>``, its input (a request with no reply);
+2. rank 0 waits for the W-1 inputs and reads them, in batches (:mod:`.store_client`: at most 512 keys and about
+   64 KiB per request), computes the answers, sets ``out/<rank>`` for the ranks whose answer differs from the
    common one (in batches), then ``answer``: the common answer, with the number of ranks that will read it;
-3. each rank waits for ``answer``, reads it and its ``out/<rank>`` if it has one, removes ``out/<rank>`` and
-   ``in/<rank>``, and adds 1 to ``read``; the rank that brings ``read`` to the number of readers removes
-   ``answer``, ``read``, ``arrived`` and ``all``.
+3. each rank waits for ``answer``, reads it and its ``out/<rank>`` if it has one (one request each:
+   :meth:`.StoreOps.get_now`), removes ``out/<rank>`` and ``in/<rank>``, and adds 1 to ``read``; the rank that
+   brings ``read`` to the number of readers removes ``answer`` and ``read``.
+
+A rank other than 0 thus makes five requests per agreement, four of which wait for a reply (a wait, a read, a
+removal, an addition): on a store shared by thousands of ranks, the replies are what the store and the ranks
+spend their time on.
 
 So every rank sends and receives O(1) requests and bytes per agreement, whatever the world size: its input and
 answer are bounded (a rank's steps in its node-local tier, a few fields; never a list of ranks or of remote steps),
@@ -20,8 +23,8 @@ and an answer common to all is stored once. Rank 0 makes O(W / 512) requests car
 serial per rank. No value exceeds :data:`~tierckpt.store_client.MAX_VALUE_BYTES` (1 MiB; libuv's TCPStore refuses
 8 MiB), and no request grows past a batch (libuv's server parses an unfinished request again from its start, so a
 large request costs it quadratic time). When the agreement is over, none of its keys is left, whether it succeeded
-or failed: a rank rank 0 gave up on (and any rank that gave up on rank 0) removes its own input and the arrival
-keys. No rank holds a connection to any other rank (a gloo group would connect every rank to every other).
+or failed: a rank rank 0 gave up on (and any rank that gave up on rank 0) removes its own input. No rank holds a
+connection to any other rank (a gloo group would connect every rank to every other).
 
 Agreements come in *lanes*, one per thread that makes them (the persist thread; the caller's thread for
 construction, restore and rollback): each lane numbers its agreements, and every rank makes the same agreements of
@@ -216,41 +219,42 @@ class Coordinator:
         the keys it set (the last reader of the common answer removes the agreement's shared keys)."""
         mine = f"{base}in/{self._rank}"
         io.set(mine, payload)
-        if io.add(base + _ARRIVED, 1) == self._world:
-            io.set(base + _ALL, b"")
         if not io.wait([base + _COMMON], 2 * self.timeout_s):
             self._abandon(io, base)
             raise AgreementError(f"rank 0 did not answer ({what}) within {2 * self.timeout_s:.0f} s; it may have died",
                                  ranks=[0], step=step)
-        kind, has_own, readers, common = _unpack(io.get(base + _COMMON))
-        own = None
-        if has_own and io.check([f"{base}out/{self._rank}"]):
-            own = io.get(f"{base}out/{self._rank}")
+        raw = io.get_now(base + _COMMON)
+        if raw is None:  # the other ranks read it and removed it: rank 0 gave up on this rank, which came too late
+            self._abandon(io, base)
+            raise AgreementError(f"rank {self._rank} reached the agreement ({what}) after rank 0 gave up on it",
+                                 ranks=[self._rank], step=step)
+        kind, has_own, readers, common = _unpack(raw)
+        own = io.get_now(f"{base}out/{self._rank}") if has_own else None
+        if own is not None:
             io.delete(f"{base}out/{self._rank}")
         io.delete(mine)
         if common.startswith(_FAILED_TAG) and self._rank in _decode_failed(common):
-            self._abandon(io, base)  # too late: rank 0 gave up on this rank
+            pass  # too late: rank 0 gave up on this rank, which is not among the readers (its input is gone)
         elif io.add(base + _READ, 1) >= readers:
-            io.delete(base + _COMMON, base + _READ, base + _ARRIVED, base + _ALL)
+            io.delete(base + _COMMON, base + _READ)
         return kind, (common, own)
 
     def _abandon(self, io: StoreOps, base: str) -> None:
         """A rank that will not read this agreement's answer (rank 0 died, or gave up on this rank): its own input
-        and the arrival keys it may have set (every other rank has read its answer by then) go, best effort."""
+        goes, best effort."""
         try:
-            io.delete(f"{base}in/{self._rank}", base + _ARRIVED, base + _ALL)
+            io.delete(f"{base}in/{self._rank}")
         except AgreementError as exc:
             log.debug("rank %d: cannot remove the keys of an abandoned agreement: %s", self._rank, exc)
 
     def _lead(self, io: StoreOps, base: str, payload: bytes, answer: Callable[[list[Any]], Sequence[Any]],
               what: str) -> tuple[bytes, tuple[bytes, bytes | None]]:
-        """Rank 0: wait for every rank (one key, set by the last to arrive), read their inputs in batches, answer,
-        set the per-rank answers in batches and then the common one; return rank 0's own."""
+        """Rank 0: wait for every rank's input and read them, in batches, answer, set the per-rank answers in
+        batches and then the common one; return rank 0's own."""
         world = self._world
-        arrived = io.add(base + _ARRIVED, 1) if world > 1 else 1
         keys = [f"{base}in/{r}" for r in range(1, world)]
         missing: list[int] = []
-        if arrived < world and not io.wait([base + _ALL], self.timeout_s):
+        if not io.wait(keys, self.timeout_s):
             missing = [i + 1 for i in io.absent(keys)]
         own_items: list[tuple[str, bytes]] = []
         if missing:
@@ -282,7 +286,7 @@ class Coordinator:
         readers = world - len(missing)
         io.set(base + _COMMON, _pack(kind, bool(own_items), readers, common))
         if io.add(base + _READ, 1) >= readers:
-            io.delete(base + _COMMON, base + _READ, base + _ARRIVED, base + _ALL)
+            io.delete(base + _COMMON, base + _READ)
         return kind, (common, mine)
 
     def reduce(self, obj: Any, lane: Lane, combine: Callable[[list[Any]], Any], *, what: str,
@@ -340,9 +344,8 @@ _FAILED_TAG = b'{"_Failed"'
 #: A failed agreement names at most this many ranks (and counts the others).
 LISTED_RANKS = 64
 #: The keys of agreement ``<prefix><lane>/<seq>/``: besides ``in/<rank>`` (each rank's input, ranks 1..W-1) and
-#: ``out/<rank>`` (the ranks whose answer is their own), the arrival counter, the key its last arrival sets, the
-#: common answer and the counter of its readers.
-_ARRIVED, _ALL, _COMMON, _READ = "arrived", "all", "answer", "read"
+#: ``out/<rank>`` (the ranks whose answer is their own), the common answer and the counter of its readers.
+_COMMON, _READ = "answer", "read"
 #: How a common answer reads: a plain answer (the rank's own, if any, replaces it) or a :class:`Split`.
 _PLAIN, _SPLIT = b"p", b"s"
 

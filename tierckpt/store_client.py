@@ -89,6 +89,16 @@ class StoreOps:
     def get(self, key: str) -> bytes:
         return bytes(self._call("get", lambda: self.store.get(key)))
 
+    def get_now(self, key: str) -> bytes | None:
+        """The value of ``key``, or None if it is not set: one request. A store's ``get`` first waits for the key
+        (a request of its own, and up to the store's timeout for a key that is gone); a compare-and-set whose
+        expected value no value equals answers the value at once, or that expected value where there is none
+        (every c10d store's ``compare_set``: TCPStore, both backends, FileStore, HashStore, PrefixStore)."""
+        if not hasattr(self.store, "compare_set"):  # a store wrapper without it
+            return self.get(key) if self.check([key]) else None
+        value = bytes(self._call("get", lambda: self.store.compare_set(key, _ABSENT, _ABSENT)))
+        return None if value == _ABSENT else value
+
     def add(self, key: str, n: int) -> int:
         return int(self._call("add", lambda: self.store.add(key, n)))
 
@@ -140,6 +150,10 @@ class StoreOps:
             if any(len(v) > MAX_VALUE_BYTES for v in values):
                 raise ValueError(f"a store value exceeds {MAX_VALUE_BYTES} bytes")
             self._call("multi_set", lambda k=keys, v=values: _multi_set(self.store, k, v))  # type: ignore[misc]
+
+
+#: What :meth:`StoreOps.get_now` expects a key to hold: no value an agreement sets starts with a NUL byte.
+_ABSENT = b"\x00none"
 
 
 def _now() -> float:
@@ -235,6 +249,11 @@ class StoreTraffic:
     def wait(self, keys: list[str], *timeout: Any) -> None:
         self._count("wait", sum(map(len, keys)), 1, keys[0] if keys else "")
         self.inner.wait(keys, *timeout)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        value = self.inner.compare_set(key, expected, desired)
+        self._count("compare_set", len(key) + len(expected) + len(desired), len(value), key)
+        return value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         values = self.inner.multi_get(keys)

@@ -78,6 +78,32 @@ def test_rank0_reads_inputs_and_writes_own_answers_in_bounded_requests(monkeypat
     assert store.num_keys() == world
 
 
+def test_get_now_reads_a_key_or_none_in_one_request_on_every_store(tmp_path) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    for inner in (server, dist.FileStore(str(tmp_path / "store"), 1), dist.HashStore(),
+                  dist.PrefixStore("p", dist.HashStore())):
+        traffic = Traffic()
+        io = StoreOps(StoreTraffic(inner, traffic), 1, what="test")
+        assert io.get_now("k") is None and not inner.check(["k"])  # neither waits nor sets it
+        inner.set("k", b"v")
+        assert io.get_now("k") == b"v" and inner.get("k") == b"v"
+        assert traffic.requests == 2, (inner, traffic.by_op)
+
+
+def test_a_rank_other_than_0_makes_five_requests_an_agreement() -> None:
+    world = 4
+
+    def body(r: int, c: Coordinator) -> Any:
+        before = c.main_lane.store.traffic.requests
+        c.reduce(r, c.main_lane, sum, what="a sum")
+        return c.main_lane.store.traffic.requests - before
+
+    results, _, _ = run_ranks(world, body)
+    # its input, the wait for the answer, its read, the input's removal, the count of readers (the last reader
+    # removes the answer and the count: two more)
+    assert all(n in (5, 7) for n in results[1:]), results
+
+
 # ------------------------------------------------------------------------------------------------ answers and keys
 def test_common_answers_are_stored_once_and_no_key_is_left_after_many_agreements() -> None:
     world = 16
@@ -132,7 +158,7 @@ def test_a_late_rank_and_a_rank_whose_peer_died_clean_up_after_themselves() -> N
     results, store, _ = run_ranks(world, body)
     assert all(isinstance(e, AgreementError) for e in results), results
     assert results[0].ranks == [3]
-    assert store.num_keys() == world  # the late rank removed its input and the arrival keys it set again
+    assert store.num_keys() == world  # the late rank removed its input
 
     # rank 0 dies before answering: every other rank's wait runs out, and it removes what it set
     def body0(r: int, c: Coordinator) -> Any:
