@@ -1,29 +1,37 @@
 """Simulated multi-rank saves and restarts: thousands of ranks running tierckpt's own agreement code against one real
 TCPStore (torch's default backend, libuv), to measure what each agreement costs the store and each rank.
 
-Each simulated rank is a thread with its own TCPStore client (several processes of many threads each); it runs the
-library's :class:`~tierckpt.distributed.Coordinator` and the manager's multi-rank decision code unchanged: the
-start-up agreement, a save's two agreements (:func:`tierckpt.engine.sharded.persist`'s "shards written" and
-"committed on every node"), and :func:`tierckpt.engine.sharded.restore` itself (the restore plan, the manifest
-shared with the ranks that read from the remote, the verdict on the load). Only storage is simulated: each node's
-local tier holds the newest ``--keep-local`` steps, the remote those and ``--remote-only`` older ones, and a load
-succeeds at once.
+Each simulated rank is a thread with its own TCPStore client; it runs the library's
+:class:`~tierckpt.distributed.Coordinator` and the manager's multi-rank decision code unchanged: the start-up
+agreement, a save's two agreements (:func:`tierckpt.engine.sharded.persist`'s "shards written" and "committed on
+every node"), and :func:`tierckpt.engine.sharded.restore` itself (the restore plan, the manifest shared with the ranks
+that read from the remote, the verdict on the load). Only storage is simulated: each node's local tier holds the
+newest ``--keep-local`` steps, the remote those and ``--remote-only`` older ones, and a load succeeds at once.
 
 Scenarios: ``save``; ``restart_intact`` (every node's local tier intact); ``restart_one_node_wiped`` (one node of 8
 ranks replaced: it reads from the remote); ``restart_all_wiped`` (every rank reads from the remote). A restart is a
 new coordinator (the start-up agreement), the start-up clean-up barrier, the steps every rank holds, then the restore.
+Every rank's thread is started and waiting before a scenario begins, and all are let go at once.
 
 Reported per agreement: its time (first rank in to last rank out), the most bytes and requests any rank but 0 sent
-and received, rank 0's, the largest single request, and the store keys left once it is over.
+and received, rank 0's, the largest single request, and the store keys left once it is over; per scenario, the CPU
+time the store server, rank 0 and the other ranks spent.
 
-    python benchmarks/restart_sim.py --worlds 256 1024 2048 8192 --remote-only 1 100 \\
-        --out docs/results/cpu_2026-12-06_restart_sim.json
+    unshare -rn sh -c 'ip link set lo up; python benchmarks/restart_sim.py --worlds 256 1024 2048 8192 \
+        --remote-only 1 100 --out restart_sim.json'
+
+What runs where, so that a few thousand threads on a few cores measure the agreements rather than the machine's
+scheduler: the store server runs in this process, rank 0 alone in a second one (a real rank 0 has its own host,
+and it does O(W) work an agreement), the other ranks ``--ranks-per-process`` threads to a process; the three are
+sessions of their own, so that where the kernel groups a session's threads (autogroup scheduling), the thousands
+of ranks' threads take a third of the CPU from the store and rank 0 only when those two want it. In a process of
+many rank threads, a thread waiting for the interpreter's lock asks for it once a second instead of every 5 ms
+(``sys.setswitchinterval``): at 8,192 ranks the default's wake-ups of waiting threads cost more CPU than the
+agreements.
 
 torch's TCPStore looks up the peer's name of every connection it opens or accepts (a reverse DNS query for
 127.0.0.1 here); where the resolver drops a query now and then, a connection waits 5 s for it. Run it in a network
-namespace of its own, where the lookup fails at once: ``unshare -rn sh -c 'ip link set lo up; python
-benchmarks/restart_sim.py ...'``. Fewer ranks per process (``--ranks-per-process``) contend less for each
-interpreter's lock: at 8,192 ranks, 1,024 threads a process starve some ranks past the agreements' timeout.
+namespace of its own, as above, where the lookup fails at once.
 """
 
 from __future__ import annotations
@@ -112,6 +120,11 @@ def _worker(conn: Any, port: int, world: int, ranks: list[int], remote_only: int
                                wait_for_workers=False)
         return StoreTraffic(client, Traffic(), share_connection=True)
 
+    # A thread waiting for the interpreter's lock wakes every switch interval to ask for it (5 ms by default): with
+    # a hundred rank threads a process, such wake-ups would keep the cores busy while the rank holding the lock
+    # waits for one. A rank holds it between two store requests only (far under a second), and hands it over as it
+    # makes the next one.
+    sys.setswitchinterval(1.0)
     pool = ThreadPoolExecutor(max_workers=len(ranks), thread_name_prefix="rank")
     clients = dict(zip(ranks, pool.map(connect, ranks)))  # in parallel: a connection may wait on a DNS lookup
     conn.send("ready")
@@ -175,67 +188,119 @@ def _worker(conn: Any, port: int, world: int, ranks: list[int], remote_only: int
             break
         scenario, wiped_nodes = msg
         wiped = set(wiped_nodes)
-        futures = [pool.submit(run_rank, r, scenario) for r in ranks]
+        go, armed = threading.Event(), threading.Semaphore(0)
+
+        def start(rank: int, scenario: str = scenario, go: threading.Event = go,
+                  armed: threading.Semaphore = armed) -> list[Any]:
+            armed.release()
+            go.wait()
+            return run_rank(rank, scenario)
+
+        futures = [pool.submit(start, r) for r in ranks]
+        for _ in ranks:  # every rank's thread is waiting: the parent starts all processes' ranks at once
+            armed.acquire()
+        conn.send("armed")
+        assert conn.recv() == "go"
+        cpu0 = _cpu()
+        go.set()
         out, errors = {}, []
         for r, f in zip(ranks, futures):
             try:
                 out[r] = f.result()
             except Exception as exc:
                 errors.append(f"rank {r}: {type(exc).__name__}: {exc}")
-        conn.send({"logs": out, "errors": errors[:5]})
+        conn.send({"logs": out, "errors": errors[:5], "cpu": _cpu() - cpu0})
     pool.shutdown()
     os._exit(0)  # the store clients' destructors are not waited for
 
 
+def _session(jobs: list[tuple[Any, list[int]]], port: int, world: int, remote_only: int, keep_local: int,
+             timeout_s: float) -> None:
+    """A session of its own (so the kernel's scheduler gives it its own share of the CPU, next to the store's and
+    rank 0's) holding the worker processes of ``jobs`` (a pipe and the ranks it runs, each); one job runs here."""
+    os.setsid()
+    if len(jobs) == 1:
+        (conn, ranks), = jobs
+        _worker(conn, port, world, ranks, remote_only, keep_local, timeout_s)
+    ctx = mp.get_context("fork")
+    children = [ctx.Process(target=_worker, args=(conn, port, world, ranks, remote_only, keep_local, timeout_s))
+                for conn, ranks in jobs]
+    for p in children:
+        p.start()
+    for p in children:
+        p.join()
+    os._exit(0)
+
+
 def run_world(world: int, remote_only: int, *, procs: int, keep_local: int, timeout_s: float,
               scenarios: tuple[str, ...] = SCENARIOS) -> dict[str, Any]:
+    """Run ``scenarios`` with ``world`` simulated ranks: rank 0 alone in a process, the others ``procs`` processes
+    of many threads; the store server in this process. Three sessions (see the module docstring)."""
     import torch.distributed as dist
 
     server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=600),
                            wait_for_workers=False)  # torch's default backend: libuv
     backend = "libuv" if getattr(server, "libuvBackend", False) else "legacy"
     ctx = mp.get_context("fork")
-    chunks = [list(range(world))[i::procs] for i in range(procs)]
-    pipes, children = [], []
-    for chunk in chunks:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(child, server.port, world, chunk, remote_only, keep_local, timeout_s))
+    chunks = [[0]] + [chunk for i in range(procs) if (chunk := list(range(1, world))[i::procs])]
+    pipes = [ctx.Pipe() for _ in chunks]
+    args = (server.port, world, remote_only, keep_local, timeout_s)
+    jobs = [(child, chunk) for (_, child), chunk in zip(pipes, chunks)]
+    children = [ctx.Process(target=_session, args=(jobs[:1], *args)),  # rank 0
+                ctx.Process(target=_session, args=(jobs[1:], *args))]  # every other rank
+    for p in children:
         p.start()
-        pipes.append(parent)
-        children.append(p)
+    pipes = [parent for parent, _ in pipes]
     for parent in pipes:
         assert parent.recv() == "ready"
-    print(f"W={world}: {procs} processes, {world} store clients connected", flush=True)
+    print(f"W={world}: rank 0 and {len(chunks) - 1} processes of other ranks, {world} store clients connected",
+          flush=True)
     result: dict[str, Any] = {"world": world, "remote_only_steps": remote_only, "store_backend": backend,
-                              "processes": procs, "scenarios": {}}
+                              "processes": len(chunks), "scenarios": {}}
     for scenario in scenarios:
         keys_before = server.num_keys()
         wiped = [world // NODE - 1] if scenario == "restart_one_node_wiped" else []
-        t0 = time.time()
         for parent in pipes:
             parent.send((scenario, wiped))
+        for parent in pipes:
+            assert parent.recv() == "armed"
+        t0, server_cpu = time.time(), _cpu()
+        for parent in pipes:
+            parent.send("go")
         logs: dict[int, list[Any]] = {}
         errors: list[str] = []
-        for parent in pipes:
+        cpu = {"store": 0.0, "rank0": 0.0, "ranks": 0.0}
+        for i, parent in enumerate(pipes):
             reply = parent.recv()
             logs.update(reply["logs"])
             errors += reply["errors"]
+            cpu["rank0" if i == 0 else "ranks"] += reply["cpu"]
         wall = time.time() - t0
+        cpu["store"] = _cpu() - server_cpu
         if errors:
             raise SystemExit(f"W={world} {scenario}: {errors}")
         # the first coordinator of each rank creates its counter of managers (one key per rank, kept for the job):
         # not an agreement's key
         counters = world if scenario == scenarios[0] else 0
         result["scenarios"][scenario] = _summary(logs, wall, keys_before + counters, server.num_keys())
+        result["scenarios"][scenario]["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
         print(f"W={world:5d} remote-only={remote_only:3d} {scenario:24s} {wall:7.2f} s  keys left "
               f"{server.num_keys() - keys_before - counters}", flush=True)
     for parent in pipes:
         parent.send(None)
     for p in children:
-        p.join(10)
+        p.join(30)
         if p.exitcode is None:
             p.kill()
     return result
+
+
+def _cpu() -> float:
+    """This process's CPU time so far (user and system, every thread), in seconds."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _summary(logs: dict[int, list[Any]], wall: float, keys_before: int, keys_after: int) -> dict[str, Any]:
@@ -285,8 +350,8 @@ def main() -> None:
     ap.add_argument("--remote-only", type=int, nargs="+", default=[1, 100])
     ap.add_argument("--keep-local", type=int, default=2)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    ap.add_argument("--ranks-per-process", type=int, default=256,
-                    help="simulated ranks (threads) per process: more contend for one interpreter lock")
+    ap.add_argument("--ranks-per-process", type=int, default=128,
+                    help="simulated ranks (threads) per process, rank 0 aside (it runs alone)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="the agreements' collective timeout")
     ap.add_argument("--out", default=str(REPO_ROOT / ".bench" / "restart_sim.json"))
     ap.add_argument("--markdown", help="also write the table as Markdown here")
@@ -305,7 +370,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for world in args.worlds:
         for n in args.remote_only:
-            procs = max(1, -(-world // args.ranks_per_process))
+            procs = max(1, -(-(world - 1) // args.ranks_per_process))
             results.append(run_world(world, n, procs=procs, keep_local=args.keep_local, timeout_s=args.timeout_s,
                                      scenarios=tuple(args.scenarios)))
             Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")  # after each run: a long run keeps its part
