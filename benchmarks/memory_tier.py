@@ -13,6 +13,10 @@ the memory restore returns before its mapping is unmapped, on a thread of its ow
 the data files read into one buffer (buffered, and ``O_DIRECT`` after dropping them). The first round also checks
 that the state restored from memory equals the saved one.
 
+Each case reports its wall time and the CPU time of its process (every thread, user and system): on a busy
+machine the wall times of sub-second cases spread widely, their CPU times much less. ``x memcpy shm (per round)``
+is the median of each round's ratio to the same round's copy out of the fresh mapping.
+
     .venv/bin/python benchmarks/memory_tier.py --gib 1 --rounds 5
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -35,6 +40,22 @@ import numpy as np
 CASES = ("memory", "disk warm", "disk cold", "memcpy", "memcpy shm", "read warm", "read cold")
 
 
+class _Clock:
+    """Wall seconds and the process's CPU seconds (every thread's, user and system) from :meth:`start`."""
+
+    def start(self) -> None:
+        self.cpu, self.t = _cpu(), time.perf_counter()
+
+    def stop(self, res: dict[str, Any]) -> None:
+        res["s"] = time.perf_counter() - self.t
+        res["cpu"] = _cpu() - self.cpu
+
+
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
     """One case in this fresh process; writes ``{"s": seconds, ...}`` to ``out``."""
     from tierckpt import CheckpointManager
@@ -45,14 +66,15 @@ def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
     state = h.gpt_state(nbytes, zeros=True)
     ts = h.tensors(state)
     res: dict[str, Any] = {}
+    clock = _Clock()
     step_dir = ckpt / "step-0000000001"
     files = sorted(p for p in step_dir.iterdir() if p.name.endswith(".safetensors")) if step_dir.is_dir() else []
     if mode == "memory":
         mgr = CheckpointManager(ckpt, memory_tier=True)
         tier = mgr.components.staging.memory
-        t0 = time.perf_counter()
+        clock.start()
         step = mgr.restore(state)
-        res["s"] = time.perf_counter() - t0
+        clock.stop(res)
         res["from_memory"] = tier is not None and tier.restored == [step]
         if check:
             res["equal"] = h.states_equal(state, h.gpt_state(nbytes))
@@ -64,28 +86,28 @@ def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
         else:
             h.read_into_page_cache(ckpt)
         with CheckpointManager(ckpt) as mgr:
-            t0 = time.perf_counter()
+            clock.start()
             mgr.restore(state)
-            res["s"] = time.perf_counter() - t0
+            clock.stop(res)
     elif mode.startswith("memcpy"):
         lengths = np.array([t.nbytes for t in ts], dtype=np.uint64)
         if mode == "memcpy":
             src = aligned_empty(int(lengths.sum()), pin=False)
             src.fill_(1)  # faulted in
-            base, t0 = src.data_ptr(), 0.0
+            base = src.data_ptr()
+            clock.start()
         else:  # the slot file mapped afresh, every page mapped up front (MAP_POPULATE), as a plain copy would
             (copy,) = memory.job_copies(str(ckpt))[0].values()
             end = copy.files[-1].offset + copy.files[-1].size
-            t0 = time.perf_counter()  # mapping the file afresh is part of what a restore from it pays
+            clock.start()  # mapping the file afresh is part of what a restore from it pays
             with open(copy.path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                    prot=mmap.PROT_READ)
             mv = np.frombuffer(mapped, dtype=np.uint8)
             base = mv.ctypes.data
         addrs = base + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
-        t1 = time.perf_counter()
         assert hostcopy.copy_from_addresses(ts, addrs, lengths)
-        res["s"] = time.perf_counter() - (t0 or t1)
+        clock.stop(res)
     else:  # raw reads of the data files into one buffer
         total = sum(p.stat().st_size for p in files)
         buf = aligned_empty(total + 4096 * len(files), pin=False)
@@ -95,7 +117,7 @@ def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
             h.drop_files(ckpt)
         else:
             h.read_into_page_cache(ckpt)
-        t0 = time.perf_counter()
+        clock.start()
         off = 0
         for p in files:
             size = p.stat().st_size
@@ -106,7 +128,7 @@ def _child(mode: str, ckpt: Path, nbytes: int, out: Path, check: bool) -> None:
                 with open(p, "rb", buffering=0) as f:
                     f.readinto(piece)
             off += -(-size // 4096) * 4096
-        res["s"] = time.perf_counter() - t0
+        clock.stop(res)
     out.write_text(json.dumps(res))
 
 
@@ -130,14 +152,21 @@ def main() -> None:
     cli = h.Cli(__doc__, __file__)
     cli.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
     cli.add_argument("--rounds", type=int, default=5, help="rounds of every case, in rotated order (default 5)")
+    cli.add_argument("--cases", default=",".join(CASES),
+                     help="comma-separated cases to run (default: all; memory, memcpy and memcpy shm always run)")
     args = cli.parse()
+    wanted = {c.strip() for c in args.cases.split(",")} | {"memory", "memcpy", "memcpy shm"}
+    if wanted - set(CASES):
+        raise SystemExit(f"unknown cases {sorted(wanted - set(CASES))}; known: {', '.join(CASES)}")
+    cases = tuple(c for c in CASES if c in wanted)
     nbytes = int(args.gib * h.GiB)
     scratch = h.scratch_dir(args.dir)
     work = h.fresh_dir(scratch, "memory-tier")
     shm = Path(tempfile.mkdtemp(prefix="tckpt-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     env = {"TIERCKPT_SHM_DIR": str(shm), "TIERCKPT_FAULT": ""}
     ckpt = work / "ckpt"
-    runs: dict[str, list[float]] = {c: [] for c in CASES}
+    runs: dict[str, list[float]] = {c: [] for c in cases}
+    cpu: dict[str, list[float]] = {c: [] for c in cases}
     checks: dict[str, Any] = {}
     try:
         h.log(f"saving {args.gib} GiB with memory_tier=True, then SIGKILL")
@@ -146,7 +175,7 @@ def main() -> None:
         if done.returncodes != [-signal.SIGKILL]:
             raise SystemExit(f"the saver exited with {done.returncodes}: {(work / 'save.log').read_text()[-2000:]}")
         for r in range(args.rounds):
-            for case in h.rotate(CASES, r):
+            for case in h.rotate(cases, r):
                 out = work / f"{case.replace(' ', '-')}-{r}.json"
                 logf = work / f"{case.replace(' ', '-')}-{r}.log"
                 h.launch([[__file__, "--child", case, ckpt, nbytes, out, "1" if r == 0 else "0"]], [logf],
@@ -155,25 +184,34 @@ def main() -> None:
                     raise SystemExit(f"{case} failed: {logf.read_text()[-3000:]}")
                 res = json.loads(out.read_text())
                 runs[case].append(res["s"])
+                cpu[case].append(res["cpu"])
                 if case == "memory":
                     if not res["from_memory"]:
                         raise SystemExit(f"round {r}: the restore did not come from memory: {logf.read_text()[-3000:]}")
                     if "equal" in res:
                         checks["memory_restore_equal"] = res["equal"]
-                h.log(f"round {r} {case}: {res['s']:.3f} s")
+                h.log(f"round {r} {case}: {res['s']:.3f} s ({res['cpu']:.3f} s CPU)")
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         h.remove(work)
     med = {c: h.median(v) for c, v in runs.items()}
+    med_cpu = {c: h.median(v) for c, v in cpu.items()}
     gbs = {c: (nbytes / 1e9 / m if m else None) for c, m in med.items()}
-    rows = [[c, med[c], gbs[c], h.ratio(med[c], med["memcpy"]), h.ratio(med[c], med["memcpy shm"]),
-             f"{min(runs[c]):.3f}-{max(runs[c]):.3f}"] for c in CASES]
-    table = h.markdown_table(["case", "median s", "GB/s", "x memcpy", "x memcpy shm", "min-max s"], rows)
+    # each round's ratio to the same round's copy out of the fresh mapping: rounds a busy machine slowed alike
+    paired = {c: h.median([a / b for a, b in zip(runs[c], runs["memcpy shm"])]) for c in cases}
+    rows = [[c, med[c], gbs[c], h.ratio(med[c], med["memcpy"]), h.ratio(med[c], med["memcpy shm"]), paired[c],
+             f"{min(runs[c]):.3f}-{max(runs[c]):.3f}", med_cpu[c], h.ratio(med_cpu[c], med_cpu["memcpy shm"])]
+            for c in cases]
+    table = h.markdown_table(["case", "median s", "GB/s", "x memcpy", "x memcpy shm", "x memcpy shm (per round)",
+                              "min-max s", "CPU s", "CPU x memcpy shm"], rows)
     print(table)
     h.finish(args, {"benchmark": "memory_tier", "state_bytes": nbytes, "rounds": args.rounds, "runs": runs,
-                    "median_s": med, "ratios_to_memcpy": {c: h.ratio(med[c], med["memcpy"]) for c in CASES},
-                    "ratios_to_memcpy_shm": {c: h.ratio(med[c], med["memcpy shm"]) for c in CASES},
-                    "checks": checks, "drop_caches": h.drop_caches_status(),
+                    "cpu_s": cpu, "median_s": med, "median_cpu_s": med_cpu,
+                    "ratios_to_memcpy": {c: h.ratio(med[c], med["memcpy"]) for c in cases},
+                    "ratios_to_memcpy_shm": {c: h.ratio(med[c], med["memcpy shm"]) for c in cases},
+                    "paired_ratios_to_memcpy_shm": paired,
+                    "cpu_ratios_to_memcpy_shm": {c: h.ratio(med_cpu[c], med_cpu["memcpy shm"]) for c in cases},
+                    "load_average": os.getloadavg(), "checks": checks, "drop_caches": h.drop_caches_status(),
                     "machine": h.machine(scratch)}, table + "\n")
 
 
