@@ -142,6 +142,24 @@ def test_an_upload_to_s3_spreads_a_ranks_many_parts_over_prefixes(tmp_path: Path
     assert pulled == built.files
 
 
+def test_a_ranks_shard_upload_writes_tagged_names_that_rank_0s_listing_confirms(tmp_path: Path, s3_server: Any,
+                                                                                 s3_bucket: str) -> None:
+    """The multi-rank upload path (each rank uploads its shard, rank 0 confirms every reported size with one
+    listing of the step folder before it commits): the sizes reported are the tagged names the listing finds."""
+    from tierckpt.tiers.sharded import upload_shard
+
+    built = build_step(2, n_files=8, sizes=(4096, 100))
+    local = LocalStore(tmp_path / "local", tier="local")
+    write_step(local, built)
+    remote = FsspecStore(f"{s3_bucket}/shard", storage_options=s3_server.storage_options(), tier="remote")
+    ref, sizes, _held = upload_shard(local, remote, 2, 0)
+    data = {n: size for n, size in sizes.items() if n != ref.name}
+    assert sorted(layout.plain_name(n) for n in data) == sorted(built.files)
+    assert all(n == layout.spread_name(n) != layout.plain_name(n) for n in data), data
+    listed = remote.sizes(layout.step_dir(2))
+    assert all(listed.get(n) == size for n, size in sizes.items()), (listed, sizes)
+
+
 def test_a_managers_save_to_s3_is_spread_and_a_wiped_node_restores_it(tmp_path: Path, s3_server: Any,
                                                                       s3_bucket: str, s3_admin: Any) -> None:
     url, opts = f"{s3_bucket}/run", s3_server.storage_options()
