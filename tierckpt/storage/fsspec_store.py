@@ -5,6 +5,8 @@ Invariants and choices:
 - ``atomic_rename`` is False: object stores cannot rename a folder atomically, so steps are committed with
   :class:`~tierckpt.storage.commit.ManifestLastCommit` (data first, ``manifest.json`` last; a whole-object PUT is
   atomic on S3/GCS/Azure). ``local_path`` is None: callers never bypass the store with OS calls.
+- ``spread_keys`` is True: data files are stored under names that start with a fan-out tag, so a step's objects
+  spread over 256 key prefixes (object stores limit request rates per prefix; docs/format.md, section 14).
 - Folders are implicit on object stores: ``makedirs`` may create nothing, a folder "exists" once a file is in it,
   and :meth:`FsspecStore.list` of a missing folder is an empty list.
 - ``open_write`` streams: bytes are buffered up to ``part_size`` and sent as parts (a file larger than one part
