@@ -322,3 +322,27 @@ def test_a_held_lease_is_refreshed_and_removed_when_released(tmp_path: Path, mon
             assert leases.read(store, names[0]).steps == (4, 7, 9)  # type: ignore[union-attr]
         assert leases.read(store, names[0]).steps == (4, 7)  # type: ignore[union-attr]
     assert not [n for n in store.list("") if leases.is_lease(n)]
+
+
+class _ListFails:
+    """A remote whose root listing fails (after a deletion's decommit: its check cannot run)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def list(self, rel: str = "") -> list[str]:
+        raise ConnectionError("injected: the listing fails")
+
+
+@pytest.mark.parametrize("kind", ["s3", "posix_remote"])
+def test_a_deletion_that_cannot_check_commits_the_step_again(make_store: Any, kind: str) -> None:
+    store = make_store(kind)
+    for step in (1, 2):
+        write_step(store, build_step(step))
+    with pytest.raises(ConnectionError):
+        steps.delete_steps(_ListFails(store), [1], listed=[1, 2])  # type: ignore[arg-type]
+    assert sorted(list_root(store).steps) == [1, 2]
+    assert steps.DELETING_MANIFEST not in store.list(layout.step_dir(1))

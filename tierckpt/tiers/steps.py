@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from .. import faults
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import layout
-from ..format.manifest import MAX_MANIFEST_BYTES
+from ..format.manifest import MAX_MANIFEST_BYTES, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import read_step_manifest
 from . import leases
@@ -99,8 +99,9 @@ def forget(store: Store, step: int) -> None:
 
 def refs_of(store: Store, step: int) -> tuple[int, ...] | None:
     """The steps committed ``step`` of ``store`` references (remembered, else read from its manifest once); None
-    when it is not committed; every earlier step when its manifest is damaged and may reference steps (keeping bytes
-    is the safe side). Raises what the store raises."""
+    when it is not committed (a step another deletion decommitted counts as committed: it may be committed again);
+    every earlier step when its manifest is damaged and may reference steps (keeping bytes is the safe side). Raises
+    what the store raises."""
     with _known_lock:
         known = _KNOWN.get((store.url, step))
     if known is not None:
@@ -114,9 +115,22 @@ def refs_of(store: Store, step: int) -> tuple[int, ...] | None:
                     store.tier, exc)
         return _ANY
     if m is None:
-        return None
+        return _being_deleted(store, step)
     record(store, step, m.refs)
     return m.refs
+
+
+def _being_deleted(store: Store, step: int) -> tuple[int, ...] | None:
+    """The references of a step another deletion has decommitted (it may commit it again), from its
+    :data:`DELETING_MANIFEST`; None when it has none (an upload in progress, a leftover)."""
+    try:
+        raw = store.read_bytes(join(layout.step_dir(step), DELETING_MANIFEST), max_size=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return None
+    try:
+        return StepManifest.from_bytes(raw, step=step, path=f"{store.url}/{layout.step_dir(step)}").refs
+    except CheckpointError:
+        return _ANY
 
 
 def _raw_manifest(store: Store, step: int) -> bytes:
@@ -224,9 +238,22 @@ def _delete_shared(store: Store, claimed: list[int], listed: Iterable[int] | Non
     todo = [s for s in claimed if s not in out.held]
     for s in todo:
         refs_of(store, s)  # known before the decommit: a recommitted step keeps holding what it references
-    decommitted = [s for s in todo if _decommit(store, s)]
-    gone_already = [s for s in todo if s not in decommitted]
-    again = _holds(store, decommitted, store.list(""), use_leases=not force, gone_steps=frozenset(gone_already))
+    decommitted: list[int] = []
+    try:
+        for s in todo:
+            if _decommit(store, s):
+                decommitted.append(s)
+        gone_already = [s for s in todo if s not in decommitted]
+        again = _holds(store, decommitted, store.list(""), use_leases=not force,
+                       gone_steps=frozenset(gone_already))
+    except BaseException:  # the store failed mid-way: what was decommitted is committed again, as far as it can be
+        for s in decommitted:
+            try:
+                _recommit(store, s)
+            except Exception as exc:  # left for `tierckpt prune --leftovers` (see the module docstring)
+                log.warning("step %d, tier %s: cannot commit it again at %s/%s after a failed deletion: %s", s,
+                            store.tier, store.url, layout.step_dir(s), exc)
+        raise
     for s in decommitted:
         if s in again:
             _recommit(store, s)
@@ -268,8 +295,8 @@ def _recommit(store: Store, step: int) -> None:
     else:
         store.write_bytes(manifest, store.read_bytes(aside, max_size=MAX_MANIFEST_BYTES))
         store.remove(aside)
-    log.warning("step %d, tier %s: committed again at %s/%s: it became referenced while it was being deleted", step,
-                store.tier, store.url, folder)
+    log.warning("step %d, tier %s: committed again at %s/%s (it became referenced while it was being deleted, or "
+                "the deletion failed)", step, store.tier, store.url, folder)
 
 
 def holds(store: Store, step: int, names: list[str]) -> str | None:
