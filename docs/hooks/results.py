@@ -637,8 +637,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "restart-sim", "Agreements of thousands of ranks", rf"cpu_{_TAG}_restart_sim\.json",
         ("unshare -rn sh -c 'ip link set lo up; .venv/bin/python benchmarks/restart_sim.py --worlds 256 1024 2048 "
          "8192 --remote-only 1 100 --ranks-per-process 128 --out restart_sim.json'",),
-        "Simulated ranks (threads, each with its own TCPStore client, 128 to a process) run tierckpt's coordinator "
-        "and its save and restore code against one TCPStore server (libuv, torch's default) on the VM's 2 cores; "
+        "Simulated ranks (threads, each with its own TCPStore client, 128 to a process, rank 0 alone) run "
+        "tierckpt's coordinator and its save and restore code against one TCPStore server (libuv, torch's "
+        "default) on the VM's 2 cores; "
         "only storage is simulated (each node's local tier holds the newest 2 steps, the remote those and 1 or 100 "
         "older ones). A save; a restart with every node intact; one with a node of 8 ranks wiped; one with every "
         "node wiped. Bytes count keys and values sent and received. [Multi-rank jobs](distributed.md) discusses "
