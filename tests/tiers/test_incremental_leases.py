@@ -346,3 +346,14 @@ def test_a_deletion_that_cannot_check_commits_the_step_again(make_store: Any, ki
         steps.delete_steps(_ListFails(store), [1], listed=[1, 2])  # type: ignore[arg-type]
     assert sorted(list_root(store).steps) == [1, 2]
     assert steps.DELETING_MANIFEST not in store.list(layout.step_dir(1))
+
+
+@pytest.mark.parametrize("tier", ["local", "remote"])
+def test_a_pinned_step_kept_by_a_deletion_keeps_what_it_references(tmp_path: Path, tier: str) -> None:
+    _incremental_local(tmp_path / "root")  # step 2 references step 1
+    store = LocalStore(tmp_path / "root", tier=tier)
+    with incremental.pins(store, (2,)):
+        done = steps.delete_steps(store, [1, 2])
+    assert done.deleted == [] and sorted(done.held) == [1, 2], done
+    assert "step 2 references its bytes" in done.held[1], done
+    assert sorted(list_root(store).steps) == [1, 2, 3]

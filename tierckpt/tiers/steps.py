@@ -213,7 +213,7 @@ def delete_steps(store: Store, steps: Iterable[int], *, listed: Iterable[int] | 
     try:
         if store.tier == "local":
             # only this job writes its local tier: a listing after the claim sees every step committed before it
-            out.held.update(_holds(store, claimed, store.list(""), use_leases=False, gone_steps=frozenset(pinned)))
+            out.held.update(_holds(store, claimed, store.list(""), use_leases=False))
             for s in claimed:
                 if s not in out.held:
                     _remove(store, s, decommitted=False)
