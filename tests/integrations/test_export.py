@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 import tierckpt
+from tests._support.lazy import lazy, requires
 from tests._support.procs import run_python
 from tests._support.ranks import assert_all_ok, rank_env, run_ranks
 from tierckpt.cli import main
@@ -28,10 +29,10 @@ from tierckpt.storage.local import LocalStore
 from tierckpt.testing.netfaults import refused_url
 from tierckpt.tiers.reader import read_manifests
 
-transformers = pytest.importorskip("transformers")
-GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
+GPT2Config = lazy("transformers", "GPT2Config")
+GPT2LMHeadModel = lazy("transformers", "GPT2LMHeadModel")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), requires("transformers")]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = (1, 2, 3)

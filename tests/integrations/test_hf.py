@@ -10,14 +10,17 @@ import shutil
 import threading
 
 import pytest
+import torch
 
-transformers = pytest.importorskip("transformers")
+from tests._support.lazy import lazy, requires, subclass
+from tierckpt import CheckpointManager, faults
 
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-
-from tierckpt import CheckpointManager, faults  # noqa: E402
-from tierckpt import hf as tierhf  # noqa: E402
+pytestmark = requires("transformers")
+GPT2Config = lazy("transformers", "GPT2Config")
+GPT2LMHeadModel = lazy("transformers", "GPT2LMHeadModel")
+Trainer = lazy("transformers", "Trainer")
+TrainingArguments = lazy("transformers", "TrainingArguments")
+tierhf = lazy("tierckpt.hf")
 
 MAX_STEPS = 8
 
@@ -34,8 +37,12 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class Recorder(TrainerCallback):
-    """Per-step losses from the logs; optionally stops training after ``stop_at``."""
+def recorder(stop_at: int | None = None):
+    return subclass(Recorder, "transformers", "TrainerCallback")(stop_at)
+
+
+class Recorder:
+    """A TrainerCallback: per-step losses from the logs; optionally stops training after ``stop_at``."""
 
     def __init__(self, stop_at: int | None = None) -> None:
         self.losses: dict[int, float] = {}
@@ -50,12 +57,12 @@ class Recorder(TrainerCallback):
             control.should_training_stop = True
 
 
-def make_model(seed: int = 0) -> GPT2LMHeadModel:
+def make_model(seed: int = 0):
     torch.manual_seed(seed)  # dropout stays on (0.1): the RNG states must be restored for equal losses
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32))
 
 
-def make_trainer(tmp_path, model, callbacks, n_samples: int = 64, **overrides) -> Trainer:
+def make_trainer(tmp_path, model, callbacks, n_samples: int = 64, **overrides):
     kw = dict(output_dir=str(tmp_path / "hf_out"), max_steps=MAX_STEPS, per_device_train_batch_size=4,
               save_strategy="no", report_to=[], logging_steps=1, seed=0, use_cpu=True,
               dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-3, warmup_steps=2)
@@ -76,7 +83,7 @@ def uninterrupted(tmp_path_factory, n_samples: int = 64, accumulation: int = 1):
     key = (n_samples, accumulation)
     if key not in _REFERENCES:
         model = make_model()
-        rec = Recorder()
+        rec = recorder()
         make_trainer(tmp_path_factory.mktemp("ref"), model, [rec], n_samples=n_samples,
                      gradient_accumulation_steps=accumulation).train()
         assert sorted(rec.losses) == list(range(1, MAX_STEPS + 1))
@@ -92,7 +99,7 @@ def reference(tmp_path_factory):
 def interrupted_run(tmp_path, stop_at: int, n_samples: int = 64, accumulation: int = 1,
                     **cb_options) -> tierhf.TieredCheckpointCallback:
     cb = tierhf.TieredCheckpointCallback(tmp_path / "local", save_steps=2, **cb_options)
-    trainer = make_trainer(tmp_path, make_model(), [cb, Recorder(stop_at=stop_at)], n_samples=n_samples,
+    trainer = make_trainer(tmp_path, make_model(), [cb, recorder(stop_at=stop_at)], n_samples=n_samples,
                            gradient_accumulation_steps=accumulation)
     assert tierhf.train(trainer) is not None
     assert cb.resumed_step is None  # nothing to resume from: a fresh start
@@ -102,7 +109,7 @@ def interrupted_run(tmp_path, stop_at: int, n_samples: int = 64, accumulation: i
 def resumed_run(tmp_path, n_samples: int = 64, accumulation: int = 1, **cb_options):
     cb = tierhf.TieredCheckpointCallback(tmp_path / "local", save_steps=2, **cb_options)
     model = make_model(seed=99)  # other initial weights: equal results need the restored ones
-    rec = Recorder()
+    rec = recorder()
     tierhf.train(make_trainer(tmp_path, model, [cb, rec], n_samples=n_samples,
                               gradient_accumulation_steps=accumulation))
     return cb, rec, model
@@ -179,6 +186,8 @@ def test_saves_do_not_wait_for_the_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(faults, "point", held)
     seen: list[tuple[int, int, bool]] = []
     cb = tierhf.TieredCheckpointCallback(tmp_path / "local", save_steps=2, staging_buffers=2)
+
+    from transformers import TrainerCallback
 
     class Watch(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -6,16 +6,20 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-transformers = pytest.importorskip("transformers")
+from tests._support.lazy import lazy, requires, subclass
+from tierckpt.testing import refused_url
 
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-
-from tierckpt import hf as tierhf  # noqa: E402
-from tierckpt.testing import refused_url  # noqa: E402
+pytestmark = requires("transformers")
+GPT2Config = lazy("transformers", "GPT2Config")
+GPT2LMHeadModel = lazy("transformers", "GPT2LMHeadModel")
+Trainer = lazy("transformers", "Trainer")
+TrainingArguments = lazy("transformers", "TrainingArguments")
+tierhf = lazy("tierckpt.hf")
 
 EVERY = 2
 
@@ -31,11 +35,11 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class WaitForRecords(TrainerCallback):
-    """Before the step after a save, wait until that save's record reached the callback (so that the step's log
-    deterministically carries it)."""
+class WaitForRecords:
+    """A TrainerCallback: before the step after a save, wait until that save's record reached the callback (so
+    that the step's log deterministically carries it)."""
 
-    def __init__(self, cb: tierhf.TieredCheckpointCallback) -> None:
+    def __init__(self, cb: Any) -> None:
         self.arrived = 0
         self.cond = threading.Condition()
         keep = cb._keep_record
@@ -54,13 +58,14 @@ class WaitForRecords(TrainerCallback):
             assert self.cond.wait_for(lambda: self.arrived >= saves, timeout=60)
 
 
-def make_trainer(tmp_path: Path, cb, max_steps: int) -> Trainer:
+def make_trainer(tmp_path: Path, cb, max_steps: int):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=101, n_positions=32))
     args = TrainingArguments(output_dir=str(tmp_path / "hf_out"), max_steps=max_steps, per_device_train_batch_size=4,
                              save_strategy="no", report_to=[], logging_steps=1, use_cpu=True,
                              dataloader_num_workers=0, disable_tqdm=True)
-    return Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[cb, WaitForRecords(cb)])
+    wait = subclass(WaitForRecords, "transformers", "TrainerCallback")(cb)
+    return Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[cb, wait])
 
 
 def saved_records(local: Path) -> dict[int, dict]:
@@ -68,8 +73,8 @@ def saved_records(local: Path) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-class Spy(TrainerCallback):
-    """A callback registered before the tierckpt one (as report_to integrations are): what logs it sees."""
+class Spy:
+    """A TrainerCallback registered before the tierckpt one (as report_to integrations are): what logs it sees."""
 
     def __init__(self) -> None:
         self.seen: list[dict] = []
@@ -82,7 +87,7 @@ class Spy(TrainerCallback):
 def test_each_save_lands_in_the_log_after_it_next_to_the_loss(tmp_path: Path, through_train: bool) -> None:
     cb = tierhf.TieredCheckpointCallback(tmp_path / "c", remote=str(tmp_path / "r"), save_steps=EVERY)
     trainer = make_trainer(tmp_path, cb, max_steps=8)
-    spy = Spy()
+    spy = subclass(Spy, "transformers", "TrainerCallback")()
     trainer.callback_handler.callbacks.insert(0, spy)
     if through_train:
         tierhf.train(trainer)

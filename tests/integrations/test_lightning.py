@@ -11,15 +11,19 @@ import threading
 import pytest
 import torch
 
-L = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from tests._support.lazy import lazy, requires, subclass
 
-from tierckpt.lightning import TieredCheckpointIO  # noqa: E402
+pytestmark = requires("lightning")
+L = lazy("lightning.pytorch")
+ModelCheckpoint = lazy("lightning.pytorch.callbacks", "ModelCheckpoint")
+TieredCheckpointIO = lazy("tierckpt.lightning", "TieredCheckpointIO")
 
 N, K = 6, 3  # steps of the first run, checkpoint interval
 
 
-class Net(L.LightningModule):
+class Net:
+    """The test's LightningModule (:func:`subclass` adds the base)."""
+
     def __init__(self, lr: float = 0.01, **extra) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -44,9 +48,9 @@ class Opaque:
     pass
 
 
-def make_model(**hp) -> Net:
+def make_model(**hp):
     torch.manual_seed(0)
-    return Net(**hp)
+    return subclass(Net, "lightning.pytorch", "LightningModule")(**hp)
 
 
 def trainer(max_steps, plugins=(), callbacks=(), enable_checkpointing=True):

@@ -12,18 +12,31 @@ from pathlib import Path
 import pytest
 import torch
 
-L = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from tests._support.lazy import lazy, requires, subclass
+from tierckpt.handle import SaveRecord
+from tierckpt.testing import refused_url
 
-from tierckpt.handle import SaveRecord  # noqa: E402
-from tierckpt.lightning import TieredCheckpointIO, TieredCheckpointLogger  # noqa: E402
-from tierckpt.testing import refused_url  # noqa: E402
+pytestmark = requires("lightning")
+L = lazy("lightning.pytorch")
+ModelCheckpoint = lazy("lightning.pytorch.callbacks", "ModelCheckpoint")
+CSVLogger = lazy("lightning.pytorch.loggers", "CSVLogger")
+TieredCheckpointIO = lazy("tierckpt.lightning", "TieredCheckpointIO")
+TieredCheckpointLogger = lazy("tierckpt.lightning", "TieredCheckpointLogger")
 
 KEYS = ("checkpoint/stall_s", "checkpoint/persist_s", "checkpoint/upload_s", "checkpoint/upload_lag_steps")
 
 
-class Net(L.LightningModule):
+def net():
+    return subclass(Net, "lightning.pytorch", "LightningModule")()
+
+
+def thread_spy(*args, **kwargs):
+    return subclass(ThreadSpy, "lightning.pytorch.loggers", "CSVLogger")(*args, **kwargs)
+
+
+class Net:
+    """The test's LightningModule (:func:`subclass` adds the base)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Linear(64, 64)
@@ -42,7 +55,7 @@ class Net(L.LightningModule):
         return torch.utils.data.DataLoader(torch.arange(400.0), batch_size=4)
 
 
-class ThreadSpy(CSVLogger):
+class ThreadSpy:
     """A CSVLogger that notes which threads call log_metrics."""
 
     def __init__(self, *a, **kw) -> None:
@@ -55,15 +68,15 @@ class ThreadSpy(CSVLogger):
 
 
 def fit(tmp_path: Path, io: TieredCheckpointIO, callbacks, max_steps: int = 9, every: int = 3,
-        logger: ThreadSpy | None = None) -> ThreadSpy:
-    logger = logger or ThreadSpy(str(tmp_path / "logs"), name="run")
+        logger=None):
+    logger = logger or thread_spy(str(tmp_path / "logs"), name="run")
     trainer = L.Trainer(max_steps=max_steps, plugins=[io], accelerator="cpu", devices=1, logger=logger,
                         callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=every),
                                    *callbacks],
                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     torch.manual_seed(0)
-    trainer.fit(Net())
+    trainer.fit(net())
     return logger
 
 
@@ -98,7 +111,7 @@ def test_a_failed_upload_logs_stall_and_persist_without_upload_seconds(tmp_path:
     io = TieredCheckpointIO(tmp_path / "c", remote="s3://bucket/run", remote_timeout_s=2, upload_deadline_s=3,
                             storage_options={"client_kwargs": {"endpoint_url": refused_url()}, "key": "k",
                                              "secret": "s"})
-    logger = ThreadSpy(str(tmp_path / "logs"), name="run")
+    logger = thread_spy(str(tmp_path / "logs"), name="run")
     with caplog.at_level(logging.ERROR):  # the teardown logs the step the remote lacks; fit finishes
         fit(tmp_path, io, [TieredCheckpointLogger()], max_steps=3, every=3, logger=logger)
     assert "1 committed steps are not on" in caplog.text
@@ -122,7 +135,7 @@ def test_without_the_logger_nothing_is_logged_and_a_wrong_plugin_warns(tmp_path:
                         callbacks=[TieredCheckpointLogger()], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     with caplog.at_level(logging.WARNING, logger="tierckpt.lightning"):
-        logger2.fit(Net())
+        logger2.fit(net())
     assert caplog.text.count("not a TieredCheckpointIO") == 1
 
 

@@ -9,16 +9,19 @@ import logging
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from tests._support.lazy import lazy, requires, subclass
 from tierckpt.errors import RunConflictError, UploadError
 from tierckpt.storage.local import LocalStore
 from tierckpt.testing import FaultProxy
 from tierckpt.tiers.listing import list_root
 
 pytest.importorskip("s3fs")
+pytestmark = requires("lightning", "transformers")
 
 #: how long the end of a run may take once the remote refuses (one upload attempt fails in well under this)
 END_BOUND_S = 20.0
@@ -68,15 +71,17 @@ def _wait_uploaded(handle, timeout: float = 20.0) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- Lightning
-L = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-
-from tierckpt.lightning import TieredCheckpointIO, TieredCheckpointLogger  # noqa: E402
+L = lazy("lightning.pytorch")
+ModelCheckpoint = lazy("lightning.pytorch.callbacks", "ModelCheckpoint")
+TieredCheckpointIO = lazy("tierckpt.lightning", "TieredCheckpointIO")
+TieredCheckpointLogger = lazy("tierckpt.lightning", "TieredCheckpointLogger")
 
 STEPS, EVERY = 6, 2
 
 
-class Net(L.LightningModule):
+class Net:
+    """The test's LightningModule (:func:`subclass` adds the base)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -93,10 +98,10 @@ class Net(L.LightningModule):
         return torch.utils.data.DataLoader(torch.arange(64.0), batch_size=8)
 
 
-class RefuseAfterFirstUpload(Callback):
-    """Once the first save is on the remote, the remote starts refusing connections."""
+class RefuseAfterFirstUpload:
+    """A Lightning callback: once the first save is on the remote, the remote starts refusing connections."""
 
-    def __init__(self, io: TieredCheckpointIO, proxy: FaultProxy) -> None:
+    def __init__(self, io: Any, proxy: FaultProxy) -> None:
         self.io, self.proxy = io, proxy
         self.train_end: float | None = None
 
@@ -112,7 +117,7 @@ class RefuseAfterFirstUpload(Callback):
 def _fit(tmp_path, server, proxy, bucket, *, logger: bool = False, **io_kw):
     torch.manual_seed(0)
     io = TieredCheckpointIO(tmp_path / "local", remote=f"{bucket}/run", **_manager_options(server, proxy), **io_kw)
-    refuse = RefuseAfterFirstUpload(io, proxy)
+    refuse = subclass(RefuseAfterFirstUpload, "lightning.pytorch.callbacks", "Callback")(io, proxy)
     callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=EVERY, save_last=True),
                  refuse]
     if logger:
@@ -126,7 +131,7 @@ def _fit(tmp_path, server, proxy, bucket, *, logger: bool = False, **io_kw):
 def test_lightning_fit_finishes_during_outage(tmp_path, s3_server, s3_bucket, proxy, caplog) -> None:
     caplog.set_level(logging.WARNING)
     io, refuse, trainer = _fit(tmp_path, s3_server, proxy, s3_bucket, logger=True)
-    trainer.fit(Net())  # raises nothing
+    trainer.fit(subclass(Net, "lightning.pytorch", "LightningModule")())  # raises nothing
     took = time.monotonic() - refuse.train_end
     assert proxy.mode == "refuse"
     assert took < END_BOUND_S, f"the end of fit took {took:.1f} s"
@@ -139,7 +144,7 @@ def test_lightning_fit_finishes_during_outage(tmp_path, s3_server, s3_bucket, pr
 def test_lightning_strict_uploads_raises(tmp_path, s3_server, s3_bucket, proxy) -> None:
     io, refuse, trainer = _fit(tmp_path, s3_server, proxy, s3_bucket, strict_uploads=True)
     with pytest.raises(UploadError) as info:
-        trainer.fit(Net())
+        trainer.fit(subclass(Net, "lightning.pytorch", "LightningModule")())
     assert not isinstance(info.value, RunConflictError)
     assert time.monotonic() - refuse.train_end < END_BOUND_S
     assert _committed(tmp_path / "local") == [2, 4, 6]
@@ -148,7 +153,7 @@ def test_lightning_strict_uploads_raises(tmp_path, s3_server, s3_bucket, proxy) 
 
 def test_lightning_next_run_uploads_what_the_outage_left(tmp_path, s3_server, s3_bucket, proxy) -> None:
     io, _refuse, trainer = _fit(tmp_path, s3_server, proxy, s3_bucket)
-    trainer.fit(Net())
+    trainer.fit(subclass(Net, "lightning.pytorch", "LightningModule")())
     proxy.set_mode("forward")
     io2 = TieredCheckpointIO(tmp_path / "local", remote=f"{s3_bucket}/run", **_manager_options(s3_server, proxy))
     assert io2.manager.load().step == 6
@@ -160,17 +165,7 @@ def test_lightning_next_run_uploads_what_the_outage_left(tmp_path, s3_server, s3
 
 
 # ---------------------------------------------------------------------------------------------------- Hugging Face
-transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
-
-from tierckpt import hf as tierhf  # noqa: E402
-
+tierhf = lazy("tierckpt.hf")
 HF_STEPS = 6
 
 
@@ -185,8 +180,10 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class HFRefuseAfterFirstUpload(TrainerCallback):
-    def __init__(self, cb: tierhf.TieredCheckpointCallback, proxy: FaultProxy) -> None:
+class HFRefuseAfterFirstUpload:
+    """A Hugging Face callback: once the first save is on the remote, the remote starts refusing connections."""
+
+    def __init__(self, cb: Any, proxy: FaultProxy) -> None:
         self.cb, self.proxy = cb, proxy
         self.train_end: float | None = None
 
@@ -202,7 +199,9 @@ class HFRefuseAfterFirstUpload(TrainerCallback):
 def _hf(tmp_path, server, proxy, bucket, **cb_kw):
     cb = tierhf.TieredCheckpointCallback(tmp_path / "local", remote=f"{bucket}/run", save_steps=2,
                                          **_manager_options(server, proxy), **cb_kw)
-    refuse = HFRefuseAfterFirstUpload(cb, proxy)
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    refuse = subclass(HFRefuseAfterFirstUpload, "transformers", "TrainerCallback")(cb, proxy)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=101, n_positions=16))
     args = TrainingArguments(output_dir=str(tmp_path / "hf_out"), max_steps=HF_STEPS, per_device_train_batch_size=4,
