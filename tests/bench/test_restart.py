@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._support.procs import run_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,3 +49,22 @@ def test_a_child_that_restores_the_wrong_bytes_fails_the_run(tmp_path: Path) -> 
         mgr.save(1, state)
     with pytest.raises(RuntimeError, match="expected step 1"):
         restart.run_child("default", folder, 0.004, 1, restart._probe_sum(state) + 1.0)
+
+
+def test_restart_simulator_runs_every_scenario_and_leaves_no_key(tmp_path: Path) -> None:
+    """benchmarks/restart_sim.py at 24 simulated ranks (rank 0 alone in a process, the others 12 to a process)
+    against a real TCPStore: each scenario makes its agreements through the library's code, a rank's bytes are the
+    same with 1 and 20 remote-only steps, and no agreement leaves a key."""
+    out = tmp_path / "sim.json"
+    proc = run_python([str(ROOT / "benchmarks" / "restart_sim.py"), "--worlds", "24", "--remote-only", "1", "20",
+                       "--ranks-per-process", "12", "--timeout-s", "30", "--out", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["results"]
+    assert [(r["world"], r["remote_only_steps"], r["processes"]) for r in runs] == [(24, 1, 3), (24, 20, 3)]
+    agreements = {"save": 3, "restart_intact": 5, "restart_one_node_wiped": 6, "restart_all_wiped": 6}
+    for scenario, n in agreements.items():
+        got = [r["scenarios"][scenario] for r in runs]
+        assert [len(s["agreements"]) for s in got] == [n, n] and [s["keys_left"] for s in got] == [0, 0], got
+        per_rank = [sum(a["rank_bytes_max"] for a in s["agreements"]) for s in got]
+        assert abs(per_rank[0] - per_rank[1]) <= 48, (scenario, per_rank)  # a digit more in a step's number
+        assert all(s["cpu_s"]["store"] > 0 and s["cpu_s"]["ranks"] > 0 for s in got), got
