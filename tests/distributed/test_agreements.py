@@ -173,6 +173,47 @@ def test_a_late_rank_and_a_rank_whose_peer_died_clean_up_after_themselves() -> N
     assert store.num_keys() == world
 
 
+def test_a_late_rank_that_finds_the_answer_gone_fails_at_once_and_removes_its_input() -> None:
+    """The answer a late rank waited for can be gone when it reads it (the ranks rank 0 counted read it, and the
+    last removed it): the late rank fails at once, naming itself, instead of waiting out the store's timeout."""
+    world = 3
+    answered, waited = threading.Event(), threading.Event()
+
+    class LateRank(StoreTraffic):  # rank 2: its wait returns while the answer is there, its read comes after
+        def wait(self, keys: list[str], *timeout: Any) -> None:
+            super().wait(keys, *timeout)
+            if keys[0].endswith("/answer"):
+                waited.set()
+                deadline = time.monotonic() + 5
+                while self.inner.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+    class OnTimeRank(StoreTraffic):  # rank 1: reads the answer once rank 2's wait returned
+        def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+            if key.endswith("/answer"):
+                waited.wait(5)
+            return super().compare_set(key, expected, desired)
+
+    def body(r: int, c: Coordinator) -> Any:
+        c.timeout_s = TIMEOUT_S
+        if r > 0:
+            c.main_lane.store = (OnTimeRank, LateRank)[r - 1](c.main_lane.store.inner, c.main_lane.store.traffic)
+        if r == 2:
+            answered.wait(5)  # arrives once rank 0 has answered without it
+        try:
+            return c.reduce(r, c.main_lane, sum, what="late")
+        finally:
+            if r == 0:
+                answered.set()
+
+    started = time.monotonic()
+    results, store, _ = run_ranks(world, body)
+    assert results[0].ranks == [2] and results[1].ranks == [2], results
+    assert isinstance(results[2], AgreementError) and "after rank 0 gave up on it" in str(results[2]), results
+    assert results[2].ranks == [2] and time.monotonic() - started < 5
+    assert store.num_keys() == world  # the managers' counters: the late rank removed its input
+
+
 def test_an_answer_function_that_raises_fails_every_rank_and_leaves_no_key() -> None:
     def body(r: int, c: Coordinator) -> Any:
         return c.reduce(r, c.main_lane, lambda objs: 1 / 0, what="a bug")
