@@ -58,6 +58,7 @@ from ..host.memory import HUGE_PAGE, buffer_address
 from ..storage import folder_lock
 from ..storage.base import Store, join
 from ..storage.files import open_regular
+from .incremental import shard_key
 
 if TYPE_CHECKING:
     from .writer import LeafMeta, StagedFile
@@ -302,8 +303,8 @@ def _slot_files(rm: RankManifest, base: int, file_views: list[memoryview]) -> tu
 
 def same_tensor(a: TensorRecord, b: TensorRecord) -> bool:
     """Whether two records describe the same tensor with the same bytes (wherever they are stored)."""
-    return (a.index, a.name, a.path, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.kind, a.shard) == \
-        (b.index, b.name, b.path, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.kind, b.shard)
+    return (a.index, a.name, a.path, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.kind, shard_key(a.shard)) == \
+        (b.index, b.name, b.path, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.kind, shard_key(b.shard))
 
 
 def slot_manifest(rm: RankManifest, base: int, files: list[StagedFile],
