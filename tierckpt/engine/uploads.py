@@ -52,16 +52,15 @@ def upload(eng: Engine, step: int, *, bucket: Any, channel: Any, attempt: str | 
 
 
 def _note_refs(eng: Engine, step: int) -> None:
-    """Remember what ``step`` references in both tiers: what the local step references (the remote's copy references
-    as much or, with files carried over, less), so that retention reads no manifest of a step this job uploaded.
-    Read from the local tier; nothing is remembered if it cannot be read."""
+    """Remember what the remote's copy of ``step`` may reference: what the local step references (the remote's copy
+    references as much or, with files carried over, less), so that the remote's retention reads no manifest of a
+    step this job uploaded. Read from the local tier; nothing is remembered if it cannot be read."""
     assert eng.remote is not None
     try:
         m = read_step_manifest(eng.local, layout.step_dir(step), step)
     except Exception:  # the remote's manifest is read when needed
         return
     if m is not None:
-        record_refs(eng.local, step, m.refs)
         record_refs(eng.remote, step, m.refs)
 
 

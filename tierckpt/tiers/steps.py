@@ -24,9 +24,9 @@ How a deletion checks the references (:func:`delete_steps`), without holding the
    check leaves the step with ``manifest.deleting.json`` and no ``manifest.json``: ``tierckpt prune --leftovers``
    commits it again if a step references it or a lease pins it, and removes it otherwise.
 
-What this process remembers of a step's references is keyed by the tier and the step number: a step is committed
-once per tier root (a committed remote step is never replaced), and this process forgets a step it deletes or sets
-aside.
+What this process remembers of a remote step's references is keyed by the tier and the step number: a step is
+committed once per remote root (a committed remote step is never replaced), an upload records what it committed,
+and this process forgets a step it deletes or sets aside. The local tier's manifests are read afresh (file reads).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def refs_of(store: Store, step: int) -> tuple[int, ...] | None:
     every earlier step when its manifest is damaged and may reference steps (keeping bytes is the safe side). Raises
     what the store raises."""
     with _known_lock:
-        known = _KNOWN.get((store.url, step))
+        known = _KNOWN.get((store.url, step)) if store.tier != "local" else None
     if known is not None:
         return known
     try:
@@ -116,7 +116,8 @@ def refs_of(store: Store, step: int) -> tuple[int, ...] | None:
         return _ANY
     if m is None:
         return _being_deleted(store, step)
-    record(store, step, m.refs)
+    if store.tier != "local":  # the local tier's manifests are file reads: read afresh every time
+        record(store, step, m.refs)
     return m.refs
 
 
