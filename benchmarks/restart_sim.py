@@ -320,6 +320,9 @@ def _summary(logs: dict[int, list[Any]], wall: float, keys_before: int, keys_aft
             # rank out of this one: what it adds to the restart's time
             "seconds": round(seconds, 3),
             "rank_bytes_max": max((e[4] for e in others), default=0),
+            # what most ranks send and receive: the maximum adds the removal of the answer's keys by whichever
+            # rank reads it last, a role timing decides
+            "rank_bytes_median": sorted(e[4] for e in others)[len(others) // 2] if others else 0,
             "rank_requests_max": max((e[3] for e in others), default=0),
             "rank0_bytes": zero[4],
             "rank0_requests": zero[3],

@@ -65,6 +65,10 @@ def test_restart_simulator_runs_every_scenario_and_leaves_no_key(tmp_path: Path)
     for scenario, n in agreements.items():
         got = [r["scenarios"][scenario] for r in runs]
         assert [len(s["agreements"]) for s in got] == [n, n] and [s["keys_left"] for s in got] == [0, 0], got
-        per_rank = [sum(a["rank_bytes_max"] for a in s["agreements"]) for s in got]
+        per_rank = [sum(a["rank_bytes_median"] for a in s["agreements"]) for s in got]
         assert abs(per_rank[0] - per_rank[1]) <= 48, (scenario, per_rank)  # a digit more in a step's number
+        # the busiest rank (a node's leader, one with an answer of its own): the same, but whichever rank reads an
+        # answer last also removes its two keys (under 64 bytes), a role that timing decides
+        busiest = [sum(a["rank_bytes_max"] for a in s["agreements"]) for s in got]
+        assert abs(busiest[0] - busiest[1]) <= 48 + 64 * n, (scenario, busiest)
         assert all(s["cpu_s"]["store"] > 0 and s["cpu_s"]["ranks"] > 0 for s in got), got
