@@ -3,7 +3,7 @@ parallel workers.
 
 The S3 server is started once per session (``ThreadedMotoServer`` on 127.0.0.1, port chosen by the OS); each test
 gets its own bucket. Credentials are dummies set in the environment only while the session runs. Under
-pytest-xdist (``scripts/test.sh`` runs ``--dist loadfile``, three workers for every two cores) a session is one worker:
+pytest-xdist (``scripts/test.sh`` runs ``--dist loadfile``, two workers a core) a session is one worker:
 each worker has its own server, on its own port, and its own buckets.
 
 Parallel runs: a test file runs whole on one worker (its module-scoped fixtures are built once), the files with
