@@ -4,24 +4,44 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests._support.procs import run_python
+from tests._support.procs import run_python, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_restart_benchmark_runs_both_ways_in_fresh_processes(tmp_path: Path) -> None:
+@pytest.fixture
+def restart() -> Iterator[Any]:
+    """benchmarks/restart.py, its children (a restore and a first save each) forked from the suite's torch server
+    rather than started as fresh interpreters: the same processes, without the import the benchmark times."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import harness
+        import restart
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def forked(argv: list[str], log: Path, cwd: Path | None, env: dict[str, str]) -> Any:
+        log.write_text("")
+        return start_python([str(a) for a in argv], env=env, cwd=cwd, stdout=log)
+
+    harness.start_process = forked
+    try:
+        yield restart
+    finally:
+        harness.start_process = harness.popen
+
+
+def test_restart_benchmark_runs_both_ways_in_child_processes(tmp_path: Path, restart: Any) -> None:
     out = tmp_path / "restart.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "restart.py"), "--size-gib", "0.004", "--rounds", "1",
-         "--dir", str(tmp_path / "scratch"), "--out", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert restart.main(["--size-gib", "0.004", "--rounds", "1", "--dir", str(tmp_path / "scratch"),
+                         "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["kind"] == "restart"
     for way in ("default", "in_place"):
@@ -33,16 +53,12 @@ def test_restart_benchmark_runs_both_ways_in_fresh_processes(tmp_path: Path) -> 
         assert re.search(rf"^\| {way} +\|", report["markdown"], re.M), report["markdown"]
 
 
-def test_a_child_that_restores_the_wrong_bytes_fails_the_run(tmp_path: Path) -> None:
+def test_a_child_that_restores_the_wrong_bytes_fails_the_run(tmp_path: Path, restart: Any) -> None:
     """The child's check is real: told to expect another sum, it exits non-zero and names what it found."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import restart
-        from harness import gpt_state
+    from harness import gpt_state
 
-        import tierckpt
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import tierckpt
+
     folder = tmp_path / "ck"
     state = gpt_state(int(0.004 * (1 << 30)))
     with tierckpt.CheckpointManager(folder) as mgr:
