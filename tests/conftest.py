@@ -6,8 +6,9 @@ gets its own bucket. Credentials are dummies set in the environment only while t
 pytest-xdist (``scripts/test.sh`` runs ``--dist loadfile``, two workers a core) a session is one worker:
 each worker has its own server, on its own port, and its own buckets.
 
-Parallel runs: a test file runs whole on one worker (its module-scoped fixtures are built once), the files with
-the slowest work are handed out first (:data:`SLOW_FIRST`), and the tests that measure a process's memory, mount a
+Parallel runs: a test file runs whole on one worker (its module-scoped fixtures are built once), the files that
+import Lightning or transformers all on the same worker (:data:`SAME_WORKER`), the files with the slowest work
+are handed out first (:data:`SLOW_FIRST`), and the tests that measure a process's memory, mount a
 file system or drop the page cache take turns across workers (:data:`SERIAL`, :data:`SERIAL_FIXTURES`).
 """
 
@@ -20,6 +21,7 @@ import secrets
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -193,6 +195,32 @@ SLOW_FIRST = (
     "tests/storage/test_s3upload.py",
     "tests/integrations/test_teardown_outage.py",
 )
+
+
+#: Files that run on one worker, one after another, because they import the same heavy frameworks (Lightning,
+#: transformers: about 7 s of CPU for each worker that imports them); the first of them in :data:`SLOW_FIRST` order
+#: sets the group's place.
+SAME_WORKER = {
+    path: "frameworks"
+    for path in ("tests/integrations/test_lightning.py", "tests/integrations/test_lightning_logging.py",
+                 "tests/integrations/test_hf.py", "tests/integrations/test_hf_logging.py",
+                 "tests/integrations/test_teardown_outage.py", "tests/integrations/test_export.py",
+                 "tests/docs/test_doc_blocks.py")
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` hands out whole files, and the files of :data:`SAME_WORKER` as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(path, path)
+
+    return Scheduling(config, log)
 
 
 def _serial_group(item: pytest.Item) -> str | None:
