@@ -10,10 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +24,6 @@ from tierckpt.tiers import memory
 pytestmark = pytest.mark.timeout(60)
 
 FROZEN = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB that no step changes
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = Path(tempfile.mkdtemp(prefix="tckpt-test-", dir=base))
-    monkeypatch.setenv(memory.ROOT_ENV, str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def saved(step: int) -> dict[str, Any]:

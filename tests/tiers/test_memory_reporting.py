@@ -4,10 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,18 +11,8 @@ import torch
 
 from tests._support.helpers import empty_like_kill_state, kill_state
 from tierckpt import CheckpointManager
-from tierckpt.tiers import memory
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = Path(tempfile.mkdtemp(prefix="tckpt-test-", dir=base))
-    monkeypatch.setenv(memory.ROOT_ENV, str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_load_and_a_restore_from_memory_say_memory(tmp_path: Path, shm: Path,

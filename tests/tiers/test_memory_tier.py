@@ -14,9 +14,7 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +28,6 @@ from tierckpt.tiers import memory
 
 JOB = str(Path(__file__).with_name("_memory_job.py"))
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A shared-memory folder of this test's own (tmpfs where /dev/shm is one)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = Path(tempfile.mkdtemp(prefix="tckpt-test-", dir=base))
-    monkeypatch.setenv(memory.ROOT_ENV, str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _job(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
