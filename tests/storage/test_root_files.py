@@ -17,8 +17,6 @@ import logging
 import os
 import signal
 import stat
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ import pytest
 import torch
 
 from tests._support.helpers import subprocess_env
+from tests._support.procs import Child, start_python
 from tierckpt import CheckpointLockedError, CheckpointManager, StorageAccessError
 from tierckpt.storage import folder_lock
 
@@ -73,14 +72,13 @@ time.sleep(300)
 """
 
 
-def _start_holder(tmp_path: Path, root: Path, mode: str) -> tuple[subprocess.Popen[bytes], int]:
+def _start_holder(tmp_path: Path, root: Path, mode: str) -> tuple[Child, int]:
     """A process that constructs a manager on ``root`` (so it holds the folder lock) and, as ``mode`` says, forks;
     returns it and its child's pid (0 without a live one) once it is there."""
     script = tmp_path / "holder.py"
     script.write_text(textwrap.dedent(_HOLDER))
     out = tmp_path / f"child-{mode}.pid"
-    proc = subprocess.Popen([sys.executable, str(script), str(root), mode, str(out)], env=subprocess_env(),
-                            stdin=subprocess.DEVNULL)
+    proc = start_python([str(script), str(root), mode, str(out)], env=subprocess_env(), folder=tmp_path)
     deadline = time.monotonic() + 60
     while not out.exists():
         if proc.poll() is not None:
