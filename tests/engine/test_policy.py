@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests._support.procs import start_python
 from tierckpt import CheckpointManager
 from tierckpt.policy import SLOW_SAVE_MIN_S, SLOW_SAVE_WARN_INTERVAL_S, SavePolicy, SlowSaveMonitor
 
@@ -110,7 +109,7 @@ def test_sigterm_takes_a_last_checkpoint(tmp_path: Path) -> None:
         mgr.close()
         print("saved", step)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = start_python([str(script)], folder=tmp_path)
     for _ in range(600):
         if ready.exists():
             break
