@@ -17,8 +17,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests._support.helpers import TESTS_DIR, assert_tree_equal, cli_output, run_cli, subprocess_env
+from tests._support.procs import start_python
 from tests.reliability._rel_kill_saver import MANAGER_KW, rel_empty, rel_state
 from tierckpt import CheckpointManager, cli, faults
 from tierckpt.storage.local import LocalStore
@@ -67,25 +66,32 @@ WIRED = _wired_points()
 
 
 class Server:
+    """The saver server (forked from the suite's torch server): requests through a FIFO on its stdin, answers
+    from its stdout, its errors in ``log``."""
+
     def __init__(self, log: Path) -> None:
-        self.err = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, text=True, env=subprocess_env(), cwd=str(TESTS_DIR))
-        line = self.proc.stdout.readline()
+        requests = log.with_name("requests")
+        os.mkfifo(requests)
+        answers = log.with_name("answers")
+        answers.write_text("")
+        self.proc = start_python([str(SCRIPT)], env=subprocess_env(), cwd=TESTS_DIR, stdin=requests, stdout=answers,
+                                 stderr=log)
+        # read and write: opening it does not wait for the server, and the server sees the end when it is closed
+        self.stdin = open(os.open(requests, os.O_RDWR), "w")  # noqa: SIM115 - closed in close()
+        line = self.proc.readline(timeout=120)
         assert line.strip() == "READY", f"kill server did not start: {line!r} {log.read_text()}"
         self.log = log
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"kill server died: {self.log.read_text()[-3000:]}"
+        self.stdin.write(json.dumps(req) + "\n")
+        self.stdin.flush()
+        line = self.proc.readline(timeout=600)
+        assert line.endswith("\n"), f"kill server died or hung: {self.log.read_text()[-3000:]}"
         return json.loads(line)
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
         self.proc.wait(timeout=30)
-        self.err.close()
 
 
 @pytest.fixture(scope="module")
