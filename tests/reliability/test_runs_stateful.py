@@ -6,7 +6,9 @@ Each save's state and metadata carry a unique tag. After every rule the real fol
 1. no committed remote step is ever replaced by another save, unless a rollback set the earlier one aside;
 2. every tag committed in the remote was saved by a job whose folder belonged to the run the remote records
    (``run.json``): a job of another run never uploads into it;
-3. no set-aside save is committed in any tier, and no restore ever returns one;
+3. no save a rollback set aside is committed again where it was set aside (the rolling-back job's local tier and the
+   remote, where the other job's saves above the rollback point go too), and no restore ever returns one of the
+   rolling-back job's;
 4. each job's newest save (not set aside) is committed in its local tier: a failing remote or another job never
    costs a local checkpoint;
 5. a restart restores the newest step of the job's own run: its local tier's newest, or the remote's where the
@@ -95,7 +97,8 @@ class TwoRunsOneRemote(RuleBasedStateMachine):
         self.run_of: dict[int, str | None] = {}  # tag -> the run its job's folder belonged to when it saved
         self.last: dict[str, int] = {j: 0 for j in JOBS}  # each job's step counter
         self.newest: dict[str, int | None] = {j: None for j in JOBS}  # each job's newest tag not set aside
-        self.aside: set[int] = set()
+        self.aside: set[int] = set()  # set aside by a rollback in the rolling-back job's local tier
+        self.remote_aside: set[int] = set()  # set aside by a rollback in the remote (another job's save included)
         self.seen_remote: dict[int, int] = {}  # remote step -> tag once committed
 
     def _open(self, job: str) -> CheckpointManager:
@@ -195,12 +198,12 @@ class TwoRunsOneRemote(RuleBasedStateMachine):
             return
         target = older[-1]
         assert self._restore(job, step=target, source="local") == target
-        mgr.rollback_to(target)
         same_run = _run(self.local[job]) == _run(self.remote_dir)
-        gone = {t for s, t in mine.items() if s > target}
-        if same_run:
-            gone |= {t for s, t in _committed(self.remote_dir, "remote").items() if s > target}
-        self.aside |= gone
+        remote = _committed(self.remote_dir, "remote")  # before the rollback: it sets aside the other job's too
+        mgr.rollback_to(target)
+        self.aside |= {t for s, t in mine.items() if s > target}
+        if same_run:  # the other job's local copies are its own: the rollback reaches only this job and the remote
+            self.remote_aside |= {t for s, t in remote.items() if s > target}
         self.last[job] = target
         self.newest[job] = mine[target]
 
@@ -217,7 +220,7 @@ class TwoRunsOneRemote(RuleBasedStateMachine):
     def remote_steps_are_never_replaced(self) -> None:  # 1
         for step, tag in _committed(self.remote_dir, "remote").items():
             before = self.seen_remote.get(step)
-            assert before is None or before == tag or before in self.aside, \
+            assert before is None or before == tag or before in self.aside | self.remote_aside, \
                 f"remote step {step} replaced: save {before} by {tag}"
             self.seen_remote[step] = tag
 
@@ -230,8 +233,9 @@ class TwoRunsOneRemote(RuleBasedStateMachine):
 
     @invariant()
     def nothing_set_aside_is_committed(self) -> None:  # 3
-        for path, tier in ((self.remote_dir, "remote"), *((self.local[j], "local") for j in JOBS)):
-            back = set(_committed(path, tier).values()) & self.aside
+        for path, tier, aside in ((self.remote_dir, "remote", self.aside | self.remote_aside),
+                                  *((self.local[j], "local", self.aside) for j in JOBS)):
+            back = set(_committed(path, tier).values()) & aside
             assert not back, f"set-aside saves {back} committed in {path}"
 
     @invariant()
@@ -250,3 +254,28 @@ def patched_manager(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_two_runs_on_one_remote_state_machine(patched_manager: None) -> None:
     run_state_machine_as_test(TwoRunsOneRemote,
                               settings=settings(max_examples=40, stateful_step_count=20, deadline=None))
+
+
+def test_a_rollback_sets_aside_the_other_jobs_newer_remote_step(patched_manager: None) -> None:
+    """Job a saves steps 1 and 3; job b (a replaced node) continues the run from the remote and saves step 4; a
+    rolls back to step 1: the remote's steps 3 and 4 are set aside, b's included (it belongs to the run), so a's
+    new step 4 replaces nothing committed. (The machine once took b's step 4 for a committed step a replaced:
+    it read the remote after the rollback.)"""
+    machine = TwoRunsOneRemote()
+    try:
+        machine.start(keep=2)
+        machine.save(job="a", gaps=[1, 2])
+        machine.replaced_node(job="b")
+        machine.save(job="b", gaps=[1])
+        assert _committed(machine.remote_dir, "remote") == {1: 1, 3: 2, 4: 3}
+        machine.remote_steps_are_never_replaced()  # notes what each remote step holds
+        machine.rollback(job="a", back=1)
+        assert _committed(machine.remote_dir, "remote") == {1: 1}
+        assert machine.remote_aside == {2, 3} and machine.aside == {2}
+        assert _committed(machine.local["b"], "local")[4] == 3  # b's own folder is b's: the rollback stops at it
+        machine.save(job="a", gaps=[1, 2])
+        assert _committed(machine.remote_dir, "remote") == {1: 1, 2: 4, 4: 5}
+        machine.remote_steps_are_never_replaced()
+        machine.nothing_set_aside_is_committed()
+    finally:
+        machine.teardown()
