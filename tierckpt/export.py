@@ -53,6 +53,7 @@ from .snapshot.dtypes import CODE_TO_TORCH, TORCH_TO_CODE
 from .snapshot.loaded import byte_view
 from .storage.base import Store
 from .storage.files import write_all, write_replace
+from .storage.local import fsync_dir
 from .storage.open import is_url, open_store
 from .tiers.backing import prove_backed
 from .tiers.listing import first_intact, list_tiers
@@ -402,7 +403,7 @@ def _write(out: str, weights: dict[str, torch.Tensor], *, step: int, source: str
         for name in stale:
             if os.path.join(out, name) not in written:
                 os.unlink(os.path.join(out, name))
-        _fsync_dir(out)
+        fsync_dir(out)
     except BaseException:
         for path in written:  # never leave a partial export that from_pretrained would read
             try:
@@ -439,14 +440,6 @@ def _write_file(path: str, tensors: list[tuple[str, torch.Tensor]], meta: dict[s
 
 def _write_bytes(path: str, data: bytes) -> None:
     write_replace(path, lambda fd: write_all(fd, data))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportError", "ExportResult", "export_weights", "parse_size"]

@@ -23,7 +23,7 @@ from typing import Any
 from ..distributed import Split
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import layout
-from ..storage.local import LocalStore
+from ..storage.local import LocalStore, fsync_dir
 from . import replicas, wire
 from .replicas import Ring
 from .server import PeerServer
@@ -242,7 +242,7 @@ class Peers:
                     for n, size in files:
                         wire.recv_file(sock, os.path.join(tmp, n), size)
                 os.rename(tmp, os.path.join(root, layout.step_dir(step)))
-                replicas.fsync_dir(root)
+                fsync_dir(root)
             except Exception as exc:
                 errors.append(f"node {partner}: {exc}")
                 log.warning("tier peer: rank %d could not fetch step %d from node %d: %s", self.rank, step, partner,

@@ -131,14 +131,6 @@ def retain(local_root: str, node: int, keep: int) -> list[int]:
     return gone
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def replica_sources(local: LocalStore, step: int) -> list[tuple[str, int, str | bytes]]:
     """What a replica of the node's committed ``step`` consists of, in the order sent (data files, rank manifests,
     ``manifest.json`` last): (name, size, the file's path or its bytes). A step without references is its folder's

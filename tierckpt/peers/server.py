@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from ..format import layout
+from ..storage.local import fsync_dir
 from . import replicas, wire
 from .replicas import Ring
 
@@ -104,14 +105,14 @@ class PeerServer:
             wire.send_msg(conn, {"ok": True})
             for name, size in files:
                 wire.recv_file(conn, os.path.join(tmp, name), size)
-            replicas.fsync_dir(tmp)
+            fsync_dir(tmp)
             final = os.path.join(folder, layout.step_dir(step))
             if os.path.exists(final):  # a new save of the same step: the old copy goes first, the new one whole
                 trash = os.path.join(folder, layout.trash_dir(layout.step_dir(step)))
                 os.rename(final, trash)
                 replicas.remove_tree(trash)
             os.rename(tmp, final)
-            replicas.fsync_dir(folder)
+            fsync_dir(folder)
         except BaseException:
             replicas.remove_tree(tmp)
             raise
