@@ -29,7 +29,7 @@ import logging
 
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest
+from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, RankRef, StepManifest
 from .base import Store, join
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,38 @@ def read_step_manifest(store: Store, folder: str, step: int | None) -> StepManif
         raise CorruptCheckpointError(f"step manifest unreadable: {exc}", step=step, tier=store.tier,
                                      path=f"{store.url}/{rel}", bad_files=[layout.STEP_MANIFEST]) from None
     return StepManifest.from_bytes(raw, step=step, path=f"{store.url}/{rel}")
+
+
+def read_rank_manifest(store: Store, folder: str, ref: RankRef, manifest: StepManifest) -> RankManifest:
+    """The rank manifest that ``ref`` of the already-read step ``manifest`` names in ``folder``, checked against it
+    (size, checksum, rank, step, world size). Raises :class:`CorruptCheckpointError` naming the file where it is
+    missing, unreadable or does not match, and :class:`StorageError` where the store could not be read."""
+    step = manifest.step
+    rel = join(folder, ref.name)
+    where = f"{store.url}/{rel}"
+    try:
+        raw = store.read_bytes(rel, max_size=min(ref.size, MAX_MANIFEST_BYTES))
+    except FileNotFoundError:
+        raise CorruptCheckpointError("rank manifest missing", step=step, tier=store.tier, path=where,
+                                     bad_files=[ref.name]) from None
+    except StorageError:
+        raise  # the store could not be read (unreachable, denied): that says nothing about the checkpoint
+    except Exception as exc:
+        raise CorruptCheckpointError(f"rank manifest unreadable: {exc}", step=step, tier=store.tier, path=where,
+                                     bad_files=[ref.name]) from None
+    if len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum:
+        raise CorruptCheckpointError("rank manifest does not match manifest.json", step=step, tier=store.tier,
+                                     path=where, bad_files=[ref.name])
+    try:
+        rm = RankManifest.from_bytes(raw, step=step, path=where, digest_verified=True)
+    except CorruptCheckpointError as exc:
+        exc.bad_files.append(ref.name)
+        exc.tier = store.tier
+        raise
+    if rm.rank != ref.rank or rm.step != step or rm.world_size != manifest.world_size:
+        raise CorruptCheckpointError("rank manifest belongs to another step or rank", step=step, tier=store.tier,
+                                     path=where, bad_files=[ref.name])
+    return rm
 
 
 class RenameCommit(CommitProtocol):
@@ -165,22 +197,8 @@ def _named_files(store: Store, folder: str, manifest: StepManifest) -> set[str]:
     """The data files the rank manifests of committed ``manifest`` name in its own folder (read only where the
     folder holds files of another save: an incremental upload carries an earlier save's file over under its own
     name). CorruptCheckpointError when a rank manifest does not match its reference: nothing is removed then."""
-    names: set[str] = set()
-    for ref in manifest.ranks:
-        rel = join(folder, ref.name)
-        try:
-            raw = store.read_bytes(rel, max_size=ref.size)
-        except StorageError:
-            raise  # the store could not be read: that says nothing about the step
-        except (FileNotFoundError, CheckpointError) as exc:
-            raise CorruptCheckpointError(f"rank manifest {ref.name} unreadable: {exc}", step=manifest.step,
-                                         tier=store.tier, path=f"{store.url}/{rel}", bad_files=[ref.name]) from None
-        if len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum:
-            raise CorruptCheckpointError(f"rank manifest {ref.name} does not match manifest.json", step=manifest.step,
-                                         tier=store.tier, path=f"{store.url}/{rel}", bad_files=[ref.name])
-        rm = RankManifest.from_bytes(raw, step=manifest.step, path=f"{store.url}/{rel}", digest_verified=True)
-        names.update(f.name for f in rm.files if f.in_step is None)
-    return names
+    return {f.name for ref in manifest.ranks for f in read_rank_manifest(store, folder, ref, manifest).files
+            if f.in_step is None}
 
 
 def protocol_for(store: Store) -> CommitProtocol:

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format import hashing, layout
-from ..format.manifest import MAX_MANIFEST_BYTES, RankManifest, StepManifest, file_rel
+from ..format.manifest import RankManifest, StepManifest, file_rel
 from ..host.memory import buffer_address
-from ..storage.base import Store, join
-from ..storage.commit import read_step_manifest
+from ..storage.base import Store
+from ..storage.commit import read_rank_manifest, read_step_manifest
 from ..storage.readahead import ReadAhead, each
 from .backing import prove_backed
 from .bounce import BounceBuffers
@@ -109,36 +109,8 @@ def read_ranks(store: Store, manifest: StepManifest, ranks: list[int] | None = N
     if ranks is not None and manifest.holds_ranks is not None and not set(ranks) <= set(manifest.holds_ranks):
         raise CheckpointNotFoundError(f"this copy holds ranks {list(manifest.holds_ranks)} only, not {ranks}",
                                       step=step, tier=store.tier, path=f"{store.url}/{folder}")
-    out = []
-    for ref in manifest.ranks:
-        if ranks is not None and ref.rank not in ranks:
-            continue
-        rel = join(folder, ref.name)
-        where = f"{store.url}/{rel}"
-        try:
-            raw = store.read_bytes(rel, max_size=min(ref.size, MAX_MANIFEST_BYTES))
-        except FileNotFoundError:
-            raise CorruptCheckpointError("rank manifest missing", step=step, tier=store.tier, path=where,
-                                         bad_files=[ref.name]) from None
-        except StorageError:
-            raise  # the store could not be read (unreachable, denied): that says nothing about the checkpoint
-        except Exception as exc:
-            raise CorruptCheckpointError(f"rank manifest unreadable: {exc}", step=step, tier=store.tier, path=where,
-                                         bad_files=[ref.name]) from None
-        if len(raw) != ref.size or hashing.digest(raw).hex() != ref.checksum:
-            raise CorruptCheckpointError("rank manifest does not match manifest.json", step=step, tier=store.tier,
-                                         path=where, bad_files=[ref.name])
-        try:
-            rm = RankManifest.from_bytes(raw, step=step, path=where, digest_verified=True)
-        except CorruptCheckpointError as exc:
-            exc.bad_files.append(ref.name)
-            exc.tier = store.tier
-            raise
-        if rm.rank != ref.rank or rm.step != step or rm.world_size != manifest.world_size:
-            raise CorruptCheckpointError("rank manifest belongs to another step or rank", step=step, tier=store.tier,
-                                         path=where, bad_files=[ref.name])
-        out.append(rm)
-    return out
+    return [read_rank_manifest(store, folder, ref, manifest) for ref in manifest.ranks
+            if ranks is None or ref.rank in ranks]
 
 
 def check_sizes(store: Store, rm: RankManifest) -> None:
