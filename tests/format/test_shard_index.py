@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.format._strategies import placed
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import hashing, shard_index
 from tierckpt.format.manifest import RankRef, StepManifest
@@ -54,12 +55,7 @@ def head_of(raw: bytes, world: int, step: int = 7) -> shard_index.IndexHead:
 # ---------------------------------------------------------------------------------------------- the box arithmetic
 @st.composite
 def boxes(draw: st.DrawFn) -> tuple[list[int], list[str], list[int], tuple[list[int], list[int]]]:
-    ndim = draw(st.integers(1, 3))
-    shape = draw(st.lists(st.integers(0, 13), min_size=ndim, max_size=ndim))
-    mdims = draw(st.integers(1, 3))
-    mesh = draw(st.lists(st.integers(1, 5), min_size=mdims, max_size=mdims))
-    places = draw(st.lists(st.one_of(st.just("R"), st.integers(0, ndim - 1).map(lambda d: f"S({d})")),
-                           min_size=mdims, max_size=mdims))
+    shape, places, mesh = draw(placed())
     off = [draw(st.integers(0, n)) for n in shape]
     size = [draw(st.integers(0, n - o)) for n, o in zip(shape, off)]
     return shape, places, mesh, (off, size)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.format._strategies import placed
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format.manifest import RankRef, StepManifest
 from tierckpt.format.shards import UnknownPlacement, mesh_index, mesh_key, overlaps, saved_box
@@ -16,12 +17,7 @@ placement_types = pytest.importorskip("torch.distributed.tensor")
 
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[list[int], list[str], list[int], list[int]]:
-    ndim = draw(st.integers(1, 3))
-    shape = draw(st.lists(st.integers(0, 13), min_size=ndim, max_size=ndim))
-    mdims = draw(st.integers(1, 3))
-    mesh = draw(st.lists(st.integers(1, 5), min_size=mdims, max_size=mdims))
-    places = draw(st.lists(st.one_of(st.just("R"), st.integers(0, ndim - 1).map(lambda d: f"S({d})")),
-                           min_size=mdims, max_size=mdims))
+    shape, places, mesh = draw(placed())
     coord = [draw(st.integers(0, n - 1)) for n in mesh]
     return shape, places, mesh, coord
 
