@@ -60,7 +60,6 @@ remote lacks are logged as an error, kept locally (the next start uploads them, 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import re
@@ -72,11 +71,12 @@ from typing import Any
 
 import torch
 
-from . import readonly
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RollbackError
-from .handle import SaveRecord
-from .manager import CheckpointManager
-from .replication import Health
+from .. import readonly
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RollbackError
+from ..handle import SaveRecord
+from ..manager import CheckpointManager
+from ..replication import Health
+from ._marker import MARKER_KEY, copy_tree, decode, encode, equal, read_marker, write_marker
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -91,7 +91,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TieredCheckpointIO", "TieredCheckpointLogger"]
 
-MARKER_KEY = "tierckpt_step"
 #: Tensors larger than this in a differing callback state are not kept in a marker (see :meth:`_overrides`).
 MAX_OVERRIDE_TENSOR_BYTES = 1 << 16
 _LAST_NAME = re.compile(r"^last(-v?\d+)?$")
@@ -260,12 +259,12 @@ class TieredCheckpointIO(CheckpointIO):
                     self._early.discard(step)
                 else:
                     self._unresolved.add(step)
-            self._last = (step, _copy_tree(checkpoint.get("callbacks")))
+            self._last = (step, copy_tree(checkpoint.get("callbacks")))
         self._paths[path] = step
         marker = {MARKER_KEY: step, "root": os.path.abspath(self.local_dir), "remote": self.remote}
         if overrides:
             marker["callbacks"] = overrides
-        _write_marker(path, marker)
+        write_marker(path, marker)
 
     def _overrides(self, first: Any, now: Any, path: str) -> dict[str, Any]:
         """The entries of ``callbacks`` that differ from the first save of this step, encoded for the marker."""
@@ -273,10 +272,10 @@ class TieredCheckpointIO(CheckpointIO):
             return {}
         out = {}
         for key, value in now.items():
-            if key in first and _equal(first[key], value):
+            if key in first and equal(first[key], value):
                 continue
             try:
-                out[str(key)] = _encode(value)
+                out[str(key)] = encode(value, MAX_OVERRIDE_TENSOR_BYTES)
             except (TypeError, ValueError) as exc:
                 log.warning("TieredCheckpointIO: the state of callback %s differs in the second save at this step "
                             "(%s) and cannot be kept in its marker (%s); loading %s gives the step's first one", key,
@@ -299,7 +298,7 @@ class TieredCheckpointIO(CheckpointIO):
             StorageError: a tier could not be listed and no other holds the step.
         """
         path = _norm(path)
-        marker = _read_marker(path)
+        marker = read_marker(path)
         mgr = self._loader()
         stem = os.path.splitext(os.path.basename(path))[0]
         if _LAST_NAME.match(stem):
@@ -320,7 +319,7 @@ class TieredCheckpointIO(CheckpointIO):
         if marker is not None and marker.get(MARKER_KEY) == result.step and marker.get("callbacks"):
             callbacks = state.setdefault("callbacks", {})
             for key, value in marker["callbacks"].items():
-                callbacks[key] = _decode(value)
+                callbacks[key] = decode(value)
         if isinstance(map_location, (str, torch.device)):
             state = _to(state, torch.device(map_location))
         self._loaded_step = result.step
@@ -487,106 +486,6 @@ def _norm(path: Any) -> str:
 
 def _json_int(value: Any) -> int | None:
     return value if type(value) is int else None
-
-
-def _write_marker(path: str, marker: dict[str, Any]) -> None:
-    data = json.dumps(marker, allow_nan=False)
-    if "://" in path and not path.startswith("file://"):
-        fs = get_filesystem(path)
-        with fs.open(path, "w") as f:
-            f.write(data)
-        return
-    local = path.removeprefix("file://")
-    os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-    tmp = f"{local}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(data)
-    os.replace(tmp, local)
-
-
-def _read_marker(path: str) -> dict[str, Any] | None:
-    fs = get_filesystem(path)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "rb") as f:
-        head = f.read(1 << 20)
-    try:
-        marker = json.loads(head)
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError(f"TieredCheckpointIO: {path} is not a tierckpt marker (a checkpoint written by another "
-                         "CheckpointIO? this plug-in never unpickles)") from None
-    if not isinstance(marker, dict) or type(marker.get(MARKER_KEY)) is not int:
-        raise ValueError(f"TieredCheckpointIO: {path} is not a tierckpt marker")
-    return marker
-
-
-def _copy_tree(obj: Any) -> Any:
-    """A copy of a small tree, tensors cloned (Lightning's objects change after save_checkpoint returns)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, Mapping):
-        return {k: _copy_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy_tree(v) for v in obj) if type(obj) in (list, tuple) else [_copy_tree(v) for v in obj]
-    return obj
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
-    if isinstance(a, float) and isinstance(b, float):
-        return a.hex() == b.hex()
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:
-        return False
-
-
-def _encode(obj: Any) -> Any:
-    """Exact JSON for a small callback state: None/bool/int/str as themselves, the rest tagged."""
-    if obj is None or isinstance(obj, (bool, str)) or type(obj) is int:
-        return obj
-    if isinstance(obj, float):
-        return {"$float": obj.hex()}
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes > MAX_OVERRIDE_TENSOR_BYTES or t.layout is not torch.strided or t.is_quantized:
-            raise ValueError(f"a {tuple(t.shape)} {t.dtype} tensor is too large or unusual for a marker")
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
-        return {"$tensor": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "hex": raw.hex()}
-    if isinstance(obj, Mapping):
-        return {"$dict": [[_encode(k), _encode(v)] for k, v in obj.items()]}
-    if type(obj) is list:
-        return [_encode(v) for v in obj]
-    if type(obj) is tuple:
-        return {"$tuple": [_encode(v) for v in obj]}
-    raise TypeError(f"a value of type {type(obj).__name__}")
-
-
-def _decode(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "$float" in obj:
-        return float.fromhex(obj["$float"])
-    if "$tensor" in obj:
-        dtype = getattr(torch, obj["$tensor"])
-        raw = bytes.fromhex(obj["hex"])
-        if not raw:
-            return torch.empty(obj["shape"], dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(obj["shape"]).clone()
-    if "$dict" in obj:
-        return {_decode(k): _decode(v) for k, v in obj["$dict"]}
-    if "$tuple" in obj:
-        return tuple(_decode(v) for v in obj["$tuple"])
-    raise ValueError(f"unknown marker value {obj!r}")
 
 
 def _to(obj: Any, device: torch.device) -> Any:
