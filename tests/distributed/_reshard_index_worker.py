@@ -4,10 +4,13 @@
 Jobs:
 
 - ``save4`` (4 ranks): a DTensor state (Shard(0), Shard(1), Replicate on a 1-D mesh) committed at step 1, each
-  rank's local folder ``n<rank>``, the remote ``remote``.
+  rank's local folder ``n<rank>``, the remote ``remote``; then a model under FSDP2 over tensor parallelism on a
+  (dp=2, tp=2) mesh (its column-wise layer's placements ``_StridedShard(0), Shard(0)``) and its optimizer,
+  committed at step 3 to ``remote_2d`` (local folders ``t<rank>``).
 - ``load2`` (2 ranks, reusing ``n0`` and ``n1``): restores it onto 2 ranks from ``remote`` (with its shard index),
   ``remote_old`` (the index removed: a step saved before indexes) and ``remote_bad`` (the index damaged), then
-  commits step 2 from 2 ranks to ``remote2``.
+  commits step 2 from 2 ranks to ``remote2``; restores step 3 of ``remote_2d`` into the same model under FSDP2
+  alone on 2 ranks (fresh local folders).
 - ``load4`` (4 ranks, fresh local folders): restores step 2 of ``remote2`` onto 4 ranks.
 
 Every read of a remote file is counted per rank (bytes and requests, by kind: the step manifest, the shard index,
@@ -104,6 +107,47 @@ def restore(job: Job, mesh: Any, local: str, remote: str, specs: dict[str, str],
     return {"restored": got, "step": step, "exact": exact, "warnings": warned.messages} | reads.record()
 
 
+def plain_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+
+
+def model_2d(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2 over tensor parallelism on a (dp=2, tp=2) mesh, trained one step (so the optimizer holds state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = plain_model(seed)
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    return m, torch.optim.Adam(m.parameters(), lr=0.1)
+
+
+def model_fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same model under FSDP2 alone on 2 ranks, trained one step (so its optimizer has state to restore)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = plain_model(seed)
+    fully_shard(m, mesh=init_device_mesh("cpu", (2,)))
+    return m, torch.optim.Adam(m.parameters(), lr=0.1)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.ones(3, 8)).sum().backward()
+    opt.step()
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's and the optimizer's state, whole."""
+    out = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    for i, st in opt.state_dict()["state"].items():
+        out.update((f"optim.{i}.{k}", v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in st.items())
+    return out
+
+
 def job_save4(job: Job) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -115,7 +159,21 @@ def job_save4(job: Job) -> None:
             m.wait()
         return {"ok": True}
 
+    def save_2d() -> dict[str, Any]:
+        model, opt = model_2d(0)
+        train_step(model, opt)
+        sd = model.state_dict()
+        placed = {k: [str(p) for p in v.placements] for k, v in sd.items()}
+        whole = full_state(model, opt)
+        with manager(job.root, f"t{job.rank}", "remote_2d") as m:
+            m.save(3, {"model": sd, "optim": opt.state_dict()})
+            m.wait()
+        if job.rank == 0:
+            torch.save(whole, job.root / "full_2d.pt")
+        return {"placements": placed}
+
     job.phase("save", save)
+    job.phase("save_2d", save_2d)
 
 
 def job_load2(job: Job) -> None:
@@ -134,6 +192,22 @@ def job_load2(job: Job) -> None:
         return {"ok": True}
 
     job.phase("save2", save)
+
+    def fsdp_from_2d() -> dict[str, Any]:
+        reads = counting()
+        model, opt = model_fsdp(1)
+        train_step(model, opt)
+        st = {"model": model.state_dict(), "optim": opt.state_dict()}
+        with manager(job.root, f"u{job.rank}", "remote_2d") as m:
+            got = m.restore(st)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optim"])
+        ref = torch.load(job.root / "full_2d.pt")
+        now = full_state(model, opt)
+        exact = {k: same(now[k], v) for k, v in ref.items()} | {"same keys": sorted(now) == sorted(ref)}
+        return {"restored": got, "exact": exact, "warnings": []} | reads.record()
+
+    job.phase("fsdp_from_2d", fsdp_from_2d)
 
 
 def job_load4(job: Job) -> None:

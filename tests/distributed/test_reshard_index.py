@@ -5,6 +5,7 @@ each rank's reads of the remote are counted (tests/distributed/_reshard_index_wo
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,20 @@ def test_a_damaged_index_falls_back_to_the_step_manifest_with_a_warning(jobs: tu
         assert rec["requests"].get("step_manifest", 0) >= 1, rec
         warned = [w for w in rec["warnings"] if "shard index" in w]
         assert warned and "step 1" in warned[0] and "shards-" in warned[0] and "remote" in warned[0], rec
+
+
+def test_fsdp_over_tensor_parallel_reshards_through_the_index(jobs: tuple[Ranks, Ranks]) -> None:
+    load2, _ = jobs
+    saved = json.loads((load2.root / "result-save4-r0.json").read_text())["save_2d"]
+    assert saved["placements"]["0.weight"] == ["_S(0, 2)", "S(0)"], saved  # FSDP2's strided shard over TP
+    index_size = _index(load2.root / "remote_2d", 3).stat().st_size
+    for rank, rec in enumerate(load2.phases("fsdp_from_2d")):
+        _exact(rec, 3)
+        assert rec["requests"]["index"] == 1 and 0 < rec["bytes"]["index"] <= index_size, rec
+        # saved on (dp, tp): rank = 2 * dp + tp; the column-wise weight's rows 0-2, 3-5, 6-8, 9-11 lie on saved
+        # ranks 0, 2, 1, 3 (tensor-parallel piece first). FSDP rank 0 (rows 0-5, and rows 0-2 of the row-wise
+        # layer, split over tp) needs saved ranks 0, 1, 2; FSDP rank 1 needs 1, 2, 3: never all four
+        assert rec["rank_manifests"] == [["r00000", "r00001", "r00002"], ["r00001", "r00002", "r00003"]][rank], rec
 
 
 def test_two_to_four_fresh_ranks_read_the_index(jobs: tuple[Ranks, Ranks]) -> None:

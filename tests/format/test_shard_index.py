@@ -18,7 +18,7 @@ from tests.format._strategies import placed
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import hashing, shard_index
 from tierckpt.format.manifest import RankRef, StepManifest
-from tierckpt.format.shards import mesh_key, overlapping_coordinates, overlaps, saved_box
+from tierckpt.format.shards import mesh_key, overlapping_coordinates, saved_runs
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers import sharded
 
@@ -63,13 +63,14 @@ def boxes(draw: st.DrawFn) -> tuple[list[int], list[str], list[int], tuple[list[
 
 @settings(max_examples=200, deadline=None)
 @given(boxes())
-def test_overlapping_coordinates_are_exactly_those_whose_saved_box_overlaps(
+def test_overlapping_coordinates_are_exactly_those_whose_saved_shard_overlaps(
         case: tuple[list[int], list[str], list[int], tuple[list[int], list[int]]]) -> None:
     shape, places, mesh, box = case
     brute = []
     for coord in itertools.product(*(range(n) for n in mesh)):
-        saved = saved_box(shape, places, mesh, coord)
-        if saved is not None and overlaps(saved, box):
+        runs = saved_runs(shape, places, mesh, coord)
+        if runs is not None and all(any(max(s, o) < min(e, o + n) for s, e in r)
+                                    for r, o, n in zip(runs, box[0], box[1])):
             brute.append(coord)
     assert overlapping_coordinates(shape, places, mesh, box) == brute
 

@@ -35,7 +35,7 @@ import torch
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..format import hashing, layout
 from ..format.manifest import RankManifest, RankRef, StepManifest, file_rel
-from ..format.shards import UnknownPlacement, mesh_key, overlaps, saved_box
+from ..format.shards import UnknownPlacement, mesh_key, overlaps, same_box, saved_box
 from ..snapshot import hostcopy
 from ..snapshot.dtensor import assemble, index_layouts, saved_layouts, target_box, to_live_layout
 from ..snapshot.load import plan_restore
@@ -420,11 +420,8 @@ def _overlapping(listing: StepManifest, own_rm: RankManifest,
     # the index must reproduce this rank's own boxes, or its arithmetic does not match how the shards were cut
     try:
         for rec in own_rm.tensors:
-            sh = rec.shard
-            if sh is not None and rec.path in targets:
-                box = saved_box(sh["global_shape"], sh["placements"], sh["mesh_shape"], sh["coordinate"])
-                if box != (tuple(sh["offset"]), tuple(rec.shape)):
-                    return None
+            if rec.shard is not None and rec.path in targets and not same_box(rec.shard, rec.shape):
+                return None
         wanted: set[int] = set()
         for path, (live, _code, gshape) in targets.items():
             layout_ = saved.get(path)

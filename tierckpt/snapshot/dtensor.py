@@ -11,7 +11,10 @@ Restoring: a target (a live DTensor, or a plain tensor standing for the whole gl
 global tensor; every saved shard of the same key path whose box overlaps it contributes that overlap. Each source
 shard is read whole and checked against its checksum before a byte of it is used; the overlaps must cover the
 target exactly, or the checkpoint is corrupt. ``Shard(dim)`` (even or uneven) and ``Replicate`` placements on any
-mesh, in any combination, are supported; ``Partial`` placements are refused at save time (reduce them first).
+mesh, in any combination, are supported, and so is ``_StridedShard``, which FSDP2 puts on a parameter that tensor
+parallelism already shards along the same dimension (each rank's local shard is then still one box of the global
+tensor; a strided shard that is not one box is refused at save time, naming the key). ``Partial`` placements are
+refused at save time (reduce them first).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..format.manifest import RankManifest, TensorRecord
 from ..format.shard_index import Layout
-from ..format.shards import UnknownPlacement, mesh_key, saved_box
+from ..format.shards import UnknownPlacement, mesh_key, same_box
 from .dtypes import CODE_TO_TORCH
 
 #: Where torch keeps DTensor: ``torch.distributed.tensor`` (torch >= 2.5), ``torch.distributed._tensor`` (2.4).
@@ -50,15 +53,20 @@ def _dtensor_class() -> type | None:
     return _dtensor
 
 
-def _dtensor_api() -> tuple[Any, Any, Any]:
-    """(Replicate, Shard, compute_local_shape_and_global_offset) wherever this torch keeps them."""
+def _dtensor_api() -> tuple[Any, Any, Any, Any]:
+    """(Replicate, Shard, _StridedShard, compute_local_shape_and_global_offset) wherever this torch keeps them
+    (``_StridedShard``: None in a torch without it)."""
     try:
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor import Replicate, Shard, placement_types
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # pragma: no cover - torch 2.4
-        from torch.distributed._tensor import Replicate, Shard
+        from torch.distributed._tensor import (
+            Replicate,
+            Shard,
+            placement_types,  # type: ignore[no-redef]
+        )
         from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-    return Replicate, Shard, compute_local_shape_and_global_offset
+    return Replicate, Shard, getattr(placement_types, "_StridedShard", None), compute_local_shape_and_global_offset
 
 
 def is_dtensor(obj: Any) -> bool:
@@ -67,14 +75,31 @@ def is_dtensor(obj: Any) -> bool:
 
 
 def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
-    """(global offset of this rank's shard, whether this rank writes it) for a DTensor ``t``."""
-    Replicate, Shard, compute_local_shape_and_global_offset = _dtensor_api()  # noqa: N806
+    """(global offset of this rank's shard, whether this rank writes it) for a DTensor ``t``.
+
+    Raises ``TypeError`` for a placement other than ``Shard``, ``_StridedShard`` and ``Replicate``, and for strided
+    placements that leave this rank's shard in several stretches of the global tensor (not one box)."""
+    Replicate, Shard, StridedShard, compute_local_shape_and_global_offset = _dtensor_api()  # noqa: N806
     mesh, placements = t.device_mesh, t.placements
+    kinds = (Shard, Replicate) if StridedShard is None else (Shard, Replicate, StridedShard)
     for p in placements:
-        if not isinstance(p, (Shard, Replicate)):
+        if not isinstance(p, kinds):
             raise TypeError(f"cannot checkpoint a DTensor with placement {p}: reduce Partial placements first")
-    _shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     coord = mesh.get_coordinate()
+    if coord is not None and StridedShard is not None and any(isinstance(p, StridedShard) for p in placements):
+        # DTensor reports where a strided shard begins, not whether it is one box: the placements tell
+        names = [str(p) for p in placements]
+        shard = {"global_shape": list(t.shape), "placements": names, "mesh_shape": list(mesh.shape),
+                 "coordinate": list(coord), "offset": list(offset)}
+        try:
+            ok = same_box(shard, shape)
+        except UnknownPlacement as exc:
+            raise TypeError(f"cannot checkpoint a DTensor with placements {names}: {exc}; redistribute it so that "
+                            "each rank's shard is one box of the tensor") from None
+        if not ok:
+            raise TypeError(f"cannot checkpoint a DTensor with placements {names}: its local shard of shape "
+                            f"{list(shape)} at {list(offset)} is not where these placements put it")
     writer = coord is not None and all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
     return tuple(offset), writer
 
@@ -132,11 +157,8 @@ def index_layouts(own: RankManifest, targets: dict[str, tuple[Any, str, tuple[in
     out: list[Layout] = []
     try:
         for rec in own.tensors:
-            sh = rec.shard
-            if sh is not None and rec.path in targets:
-                box = saved_box(sh["global_shape"], sh["placements"], sh["mesh_shape"], sh["coordinate"])
-                if box != (tuple(sh["offset"]), tuple(rec.shape)):
-                    return None
+            if rec.shard is not None and rec.path in targets and not same_box(rec.shard, rec.shape):
+                return None
         for path, (live, _code, gshape) in targets.items():
             layout = saved.get(path)
             if layout is None or "placements" not in layout or "mesh_shape" not in layout:
