@@ -19,7 +19,8 @@ Invariants:
 - the remote has one failure streak and backoff (:class:`~tierckpt.replication.remote_state.RemoteState`): each
   new save is tried once, the steps that waited while a try failed are resolved as failed without one, and the
   failed steps are tried again together once the backoff has passed, or at once after a success; an error is
-  raised by ``wait()``/``close()`` once and only while it applies (not after its step was uploaded or superseded);
+  raised by ``wait()``/``close()`` once and only while it applies (not after its step was uploaded or superseded:
+  :mod:`.outcomes`);
 - once closing, no step is tried after the remote fails, and failed steps are left for the next start;
 - after :meth:`Replicator.fence`, no upload of a step it dropped starts or commits (the one in progress is
   cancelled and waited for);
@@ -38,15 +39,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, RunConflictError, StepConflictError, UploadError
+from ..errors import RunConflictError, UploadError
 from ..storage.base import Store
 from ..storage.failures import with_deadline
 from ..tiers.listing import list_root
 from .follower import Follower
 from .health import Health, UploadChannel
+from .outcomes import Outcomes, Waiter
 from .policy import REPLICATED, ReplicationPolicy, remote_summary
 from .remote_state import RemoteState
 from .trimming import Trimming
@@ -56,13 +57,7 @@ __all__ = ["Health", "Replicator", "UploadChannel"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Waiter:
-    handle: Any  # SaveHandle | None
-    done: Future
-
-
-class Replicator(Trimming, Follower):
+class Replicator(Trimming, Follower, Outcomes):
     """See the module docstring. ``upload(step, cancel=event)`` replicates one committed local step (raises on
     failure; stops soon after ``event`` is set; in a multi-rank job it is called with ``attempt=name`` too, the same
     name on every rank); ``resume`` are the committed local steps found at start-up (uploaded if the remote lacks
@@ -103,7 +98,7 @@ class Replicator(Trimming, Follower):
         self._cond = threading.Condition()
         self._retention_lock = threading.Lock()
         self._track = track
-        self._waiting: dict[int, list[_Waiter]] = {}
+        self._waiting: dict[int, list[Waiter]] = {}
         self._committed_at: dict[int, float] = {s: clock() for s in resume}
         self._resume = set(resume)
         for step in resume:  # queued now, so that wait() covers them before the thread has listed the remote
@@ -120,11 +115,6 @@ class Replicator(Trimming, Follower):
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tierckpt-upload", daemon=True)
 
-    def _own_waiter(self) -> _Waiter:
-        w = _Waiter(None, Future())
-        self._track(w.done)
-        return w
-
     # ----------------------------------------------------------------------------------------------- interface
     def start(self) -> None:
         self._thread.start()
@@ -135,7 +125,7 @@ class Replicator(Trimming, Follower):
         :meth:`take_errors`), dropped, or not tried because the remote is failing (then it is tried again with the
         other failed steps once the remote's backoff has passed)."""
         fut: Future = Future()
-        waiter = _Waiter(handle, fut)
+        waiter = Waiter(handle, fut)
         with self._cond:
             self._committed_at.setdefault(step, self._clock())
             self._fenced.discard(step)  # a new save of a step a rollback set aside
@@ -235,14 +225,6 @@ class Replicator(Trimming, Follower):
             self._conflict = None
             self._claimed = self._claim is None
             self._cond.notify_all()
-
-    def take_errors(self) -> list[BaseException]:
-        """Errors of failed uploads not yet taken, oldest first (each is returned once). An error whose step has
-        been uploaded since, or is no longer owed to the remote (superseded by a durable newer step, set aside by
-        a rollback), no longer applies and is not returned."""
-        with self._cond:
-            out, self._errors = [e for _s, e in self._errors], []
-        return out
 
     def health(self) -> Health:
         try:
@@ -459,7 +441,7 @@ class Replicator(Trimming, Follower):
     def _sort_resumed(self, remote: set[int]) -> None:
         """Of the steps found locally at start-up: those the remote holds, or that its retention would delete at
         once (a newer step is durable there), count as replicated; the others are uploaded."""
-        done: list[tuple[int, list[_Waiter]]] = []
+        done: list[tuple[int, list[Waiter]]] = []
         with self._cond:
             resumed, self._resume = sorted(self._resume), set()
             for s in resumed:
@@ -478,7 +460,7 @@ class Replicator(Trimming, Follower):
         for s, waiters in done:
             self._resolve(s, waiters)
 
-    def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[_Waiter], str]], list[list[Any]]]:
+    def _decide(self, due: set[int]) -> tuple[int | None, list[tuple[int, list[Waiter], str]], list[list[Any]]]:
         """The step to upload now among ``due``, the steps dropped (with their waiters and why), and (multi-rank:
         the leader decides for every node) the unreplicated local steps to delete. The step chosen becomes the
         one being uploaded before local retention can run again: retention skips it, so the upload never reads a
@@ -550,77 +532,3 @@ class Replicator(Trimming, Follower):
         if self._remote_steps is None and not self._follower:
             self._list_remote(resume=False)
         self._resolve(step, waiters)  # after retention: wait() returns with both tiers trimmed
-
-    def _recovered(self) -> None:
-        """The remote answered: end the streak and catch the failed steps up now (``wait()`` covers them)."""
-        self.state.succeeded()
-        with self._cond:
-            if self._follower or self._closing or not self._failed_steps:
-                return
-            for s in sorted(self._failed_steps):
-                self._waiting.setdefault(s, []).append(self._own_waiter())
-            log.info("tier remote: retrying the uploads of steps %s, which failed or waited earlier",
-                     sorted(self._failed_steps))
-            self._failed_steps = set()
-            self._cond.notify_all()
-
-    def _failed(self, step: int, waiters: list[_Waiter], exc: BaseException, *, fenced: bool = False) -> None:
-        gone = isinstance(exc, CheckpointNotFoundError) and exc.tier == self.local.tier
-        permanent = gone or fenced or isinstance(exc, StepConflictError)
-        if not fenced and not permanent:  # a missing local step or another save's remote step: the remote answered
-            self.state.attempt_failed(exc, f"the upload of step {step}")
-        with self._cond:
-            self._current, self._cancel = None, None
-            self._cond.notify_all()
-            waiters = waiters + self._waiting.pop(step, [])  # submitted while the upload ran
-            if self._follower and not waiters:
-                self._outcomes[step] = ("failed", exc)
-            if not permanent and not self._follower and not self._closed:
-                self._failed_steps.add(step)
-        if fenced:
-            self._resolve(step, waiters, skipped="set aside by a rollback")
-            return
-        if permanent:
-            log.error("step %d, tier remote: not uploaded to %s (the local copy is kept): %s", step,
-                      self.remote.url, exc)
-        # a step committed while this upload ran was kept as the one being uploaded: trim to the bound now, so
-        # that wait() returns with the local tier within keep_local + max_upload_backlog
-        self.apply_local_retention()
-        self._fail_waiters(step, waiters, exc)
-        if not self._follower and not permanent:
-            self._defer()  # the steps that waited meanwhile are not tried back to back: see _next_job
-
-    def _forget_errors(self, step: int) -> None:
-        """Under the lock: ``step``'s errors no longer apply (uploaded, or no longer owed to the remote)."""
-        self._errors = [(s, e) for s, e in self._errors if s != step]
-
-    def _fail_waiters(self, step: int, waiters: list[_Waiter], exc: BaseException, *, keep: bool = True) -> None:
-        if waiters and keep:
-            with self._cond:
-                self._forget_errors(step)  # the newest error of a step stands for it
-                self._errors.append((step, exc))
-        for w in waiters:
-            if w.handle is not None:
-                w.handle._record.error = str(exc)
-                if not w.handle.uploaded.done():
-                    w.handle.uploaded.set_exception(exc)
-                self._on_done(w.handle)
-            w.done.set_result(None)
-
-    def _resolve(self, step: int, waiters: list[_Waiter], *, skipped: str | None = None) -> None:
-        if skipped is not None:
-            log.info("step %d, tier remote: not uploading it: %s", step, skipped)
-            if not skipped.startswith("deleted"):  # superseded, or set aside: its earlier error no longer applies
-                with self._cond:
-                    self._forget_errors(step)
-        for w in waiters:
-            h = w.handle
-            if h is not None and not h.uploaded.done():
-                if skipped is None:
-                    h._record.upload_s = h.elapsed()
-                    h.uploaded.set_result(h._record.upload_s)
-                else:
-                    h._record.upload_skipped = skipped
-                    h.uploaded.set_result(None)
-                self._on_done(h)
-            w.done.set_result(None)
