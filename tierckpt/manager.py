@@ -36,7 +36,7 @@ import torch
 
 from .distributed import Coordinator, rank_and_world
 from .engine import load as _load
-from .engine import restore as _restore
+from .engine import reads as _reads
 from .engine import rollback as _rollback
 from .engine import sharded as _sharded
 from .engine import uploads as _uploads
@@ -434,20 +434,7 @@ class CheckpointManager:
         if not isinstance(in_place, bool):
             raise ValueError(f"in_place must be a bool, got {in_place!r}")
         tiers = self._read_tiers(step, source)
-        if self._coord is None:
-            listing = _uploads.list_for_call(self._engine, self._replicator, tiers, step)
-        else:
-            listing = _sharded.list_tiers_shared(self._engine, tiers, deadline_s=self.options.remote_timeout_s)
-        with _gc.paused():
-            if self._coord is not None:
-                done = _sharded.restore(self._engine, state, step, tiers, strict=strict, listing=listing,
-                                        load=lambda *a: _restore.prepare(self._engine, *a, in_place=in_place))
-            else:
-                listing.require(step, ", ".join(t.url for t in tiers))
-                done = _restore.restore(self._engine, state, step, tiers, strict=strict, in_place=in_place,
-                                        listing=listing)
-        _uploads.note_restored(self._engine, self._replicator, done, listing)
-        return done
+        return _reads.restore(self._engine, self._replicator, state, step, tiers, strict=strict, in_place=in_place)
 
     def load(self, step: int | None = None, *, source: str = "auto",
              keys: Sequence[str] | None = None) -> _load.LoadResult:
@@ -487,29 +474,14 @@ class CheckpointManager:
                 naming it and the keys the step holds).
             ValueError: bad arguments.
         """
-        if keys is not None:
-            if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
-                raise ValueError(f"keys must be None or a list or tuple of str, got {keys!r}")
-            if not keys:
-                raise ValueError("keys must name at least one top-level key (None loads them all)")
-        tiers = self._read_tiers(step, source)
-        listing = _uploads.list_for_call(self._engine, self._replicator, tiers, step)  # each rank on its own
-        listing.require(step, ", ".join(t.url for t in tiers))
-        with _gc.paused():
-            out = _load.load(self._engine, step, tiers, keys=None if keys is None else list(keys), listing=listing)
-        _uploads.note_restored(self._engine, self._replicator, out.step, listing)
-        return out
+        _reads.check_keys(keys)
+        return _reads.load(self._engine, self._replicator, step, self._read_tiers(step, source), keys)
 
     def _read_tiers(self, step: int | None, source: str) -> list[Store]:
         """The tiers a restore or load of ``step`` from ``source`` reads, once the saves made so far committed
         locally (the uploads go on). Raises ``ValueError`` for a bad ``step`` or ``source``."""
         self._check_open()
-        if step is not None and (type(step) is not int or step < 0):
-            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-        if source not in ("auto", "local", "remote"):
-            raise ValueError(f"source must be 'auto', 'local' or 'remote', got {source!r}")
-        if source == "remote" and self.remote is None:
-            raise ValueError("source='remote' but this manager has no remote tier")
+        _reads.check_source(step, source, self.remote)
         self.wait_persisted()  # a save still being written locally is loadable once it commits
         return [s for s in (self.local, self.remote) if s is not None and source in ("auto", s.tier)]
 
@@ -528,10 +500,7 @@ class CheckpointManager:
         (None would mean "start from scratch")."""
         self._check_open()
         tiers = [s for s in (self.local, self.remote) if s is not None]
-        listing = _uploads.list_for_call(self._engine, self._replicator, tiers, None)
-        listing.require(None, ", ".join(t.url for t in tiers))
-        known = listing.known()
-        return max(known) if known else None
+        return _reads.latest_step(self._engine, self._replicator, tiers)
 
     def steps(self) -> list[StepInfo]:
         """Every step known in either tier, with where it is and its state. When the remote tier cannot be listed

@@ -6,6 +6,7 @@
 - :mod:`.records`: the save records, ``saves.jsonl``, and the background errors re-raised on the next call.
 - :mod:`.restore`: choosing, verifying and loading a step into the live state, with fallback.
 - :mod:`.load`: a step read back as plain values, without a live state (``load()``, export, the DCP reader).
+- :mod:`.reads`: the manager's read calls from their arguments to the listing and the step read.
 - :mod:`.sharded`: a multi-rank job's save and restore agreements.
 - :mod:`.messages`: what those agreements carry (JSON of a fixed set of types, never pickle).
 - :mod:`.rollback`: ``rollback_to``'s rules.
