@@ -26,19 +26,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
 from .distributed import Coordinator, rank_and_world
+from .engine import lifecycle as _lifecycle
 from .engine import load as _load
 from .engine import reads as _reads
 from .engine import rollback as _rollback
-from .engine import sharded as _sharded
 from .engine import uploads as _uploads
 from .engine.core import Components, Engine
 from .engine.pipeline import SavePipeline
@@ -55,14 +53,12 @@ from .options import (
     check_metadata,
     check_storage_options,
 )
-from .peers.node import Peers
 from .policy import DEFAULT_SIGNALS, Clock, Preemption, SavePolicy, SlowSaveMonitor
 from .replication import Health, ReplicationPolicy, Replicator
 from .snapshot import staging
 from .status import StepInfo
 from .storage import folder_lock
 from .storage.base import Store
-from .storage.commit import protocol_for
 from .storage.local import LocalStore
 from .storage.open import open_store
 from .tiers import identity, uploader
@@ -161,22 +157,13 @@ class CheckpointManager:
         self._lock_fd = folder_lock.acquire(self.local.root, self.rank)
         self.remote = None
         try:
-            if self._coord is None:
-                for action in protocol_for(self.local).recover(self.local):
-                    log.info("tier local: %s under %s", action, self.local.url)
-            else:
-                _sharded.recover_local(self.local, self._coord)
+            _lifecycle.recover_local(self.local, self._coord)
             if remote is not None:
                 # No start-up cleanup on the remote: it is shared (other nodes, `tierckpt sync`) and holds no lock of
                 # ours, so another writer's upload in progress must not be mistaken for a leftover. Leftovers there
                 # are never checkpoints; `tierckpt prune` removes them.
                 self.remote = open_store(remote, storage_options=check_storage_options(storage_options), tier="remote",
-                                         part_size=self.options.upload_part_mb << 20,
-                                         read_concurrency=self.options.remote_read_concurrency,
-                                         write_concurrency=self.options.remote_write_concurrency,
-                                         direct_io=self.options.direct_io if self.options.remote_direct_io is None
-                                         else self.options.remote_direct_io, huge_pages=self._huge,
-                                         create_bucket=self.options.create_bucket)
+                                         **_lifecycle.remote_store_options(self.options, self._huge))
             # what a restart finds committed locally: resumed by the replicator, and the floor below which save()
             # refuses a step (a rollback must be explicit)
             local_steps = sorted(list_root(self.local).steps)
@@ -184,7 +171,7 @@ class CheckpointManager:
             if self._coord is not None:  # a multi-rank step needs every rank's shard: resume what all still have
                 local_steps = self._coord.reduce(local_steps, self._coord.main_lane, _common_steps,
                                                  what="the steps every rank holds")
-            self._peers = self._start_peers()
+            self._peers = _lifecycle.start_peers(self.local, self._coord, self.options)
         except BaseException:
             self._unlock()
             raise
@@ -214,34 +201,11 @@ class CheckpointManager:
         self._bucket = None if self.options.upload_bandwidth_mbps is None else uploader.TokenBucket(
             self.options.upload_bandwidth_mbps * 1e6, burst=self.options.upload_bandwidth_mbps * 1e5)
         self._replicator: Replicator | None = None
-        self._channel = None  # a multi-rank job's messages between the replicators (the c10d store)
         if self.remote is not None:
-            self._start_replication(local_steps)
-
-    def _start_peers(self) -> Peers | None:
-        """The peer copies of a multi-node job (``peer_replicas``), or None. Raises ValueError in a single-rank
-        job, CheckpointError on every rank where the job has too few nodes."""
-        copies = self.options.peer_replicas
-        if not copies:
-            return None
-        if self._coord is None:
-            raise ValueError(f"peer_replicas={copies} needs a multi-rank job on several nodes (world_size > 1); "
-                             "a single process has no partner node to copy to")
-        return Peers(self.local, self._coord, copies, keep=self.options.keep_local,
-                     timeout_s=self.options.remote_timeout_s)
-
-    def _start_replication(self, resume: list[int]) -> None:
-        """Build and start the replication component for ``self.remote``; ``resume``: committed local steps."""
-        assert self.remote is not None
-        leader = self._coord is None or self._coord.topology.is_node_leader
-        first = self._coord is None or self._coord.topology.rank == 0
-        self._channel = None if self._coord is None else self._coord.upload_channel()
-        self._replicator = Replicator(
-            self.local, self.remote, policy=self._retention, upload=self._upload, resume=resume,
-            on_done=self._log.write, track=self._track, remote_retention=first, local_retention=leader,
-            channel=self._channel, list_deadline_s=self.options.remote_timeout_s,
-            claim=(lambda: _uploads.claim_remote(self._engine)) if first else None)
-        self._replicator.start()
+            self._replicator = _lifecycle.build_replicator(self._engine, self._retention, self._bucket,
+                                                           resume=local_steps, on_done=self._log.write,
+                                                           track=self._track)
+            self._replicator.start()
 
     @property
     def components(self) -> Components:
@@ -342,11 +306,6 @@ class CheckpointManager:
             self._track(self._replicator.submit(handle.step, handle))
 
     # ------------------------------------------------------------------------------------------------ remote
-    def _upload(self, step: int, attempt: str | None = None, cancel: Any = None) -> None:
-        assert self._replicator is not None
-        _uploads.upload(self._engine, step, bucket=self._bucket, channel=self._channel, attempt=attempt,
-                        cancel=cancel, on_error=self._replicator.state.request_failed)
-
     def health(self) -> Health:
         """Where both tiers stand: newest committed step per tier, upload lag in steps and seconds, the step being
         uploaded and those waiting, and the remote's failure streak with its last error. Cheap (one listing of the
@@ -388,19 +347,8 @@ class CheckpointManager:
             TimeoutError: work is still pending after ``timeout`` seconds.
             CheckpointError: a background save failed, or an upload (:class:`UploadError`; the local copy is
                 kept)."""
-        self._wait_pending(timeout)
+        _lifecycle.wait_for(self._pending, timeout)
         self._raise_background_error()
-
-    def _wait_pending(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            pending = list(self._pending)
-            if not pending:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, not_done = wait_futures(pending, timeout=left)
-            if not_done and deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{len(not_done)} checkpoint operations still pending after {timeout} s")
 
     def _raise_background_error(self, *, local_only: bool = False) -> None:
         """Re-raise the first background error not raised yet. ``local_only``: only failures to write the local
@@ -576,26 +524,13 @@ class CheckpointManager:
                 self.wait(timeout)
             else:
                 self._replicator.begin_close()
-                self._wait_pending(timeout)
+                _lifecycle.wait_for(self._pending, timeout)
                 self._errors.raise_first()
                 _uploads.report_unfinished(self._engine, self._replicator, self._replicator.take_errors(),
                                            raise_errors=raise_upload_errors)
         finally:
             self._closed = True
-            if self._replicator is not None:  # idle by now, unless a listing of a silent remote is in flight
-                self._replicator.close(timeout if timeout is not None else self.options.remote_timeout_s)
-            self._pipeline.close()
-            if self._peers is not None:
-                self._peers.close()
-            self._io.shutdown(wait=True)
-            self._hash.shutdown(wait=True)
-            self._engine.pool.close()
-            self._engine.close()  # the restore's bounce buffers are unmapped with it
-            self._preemption.uninstall()
-            if self._coord is not None:
-                self._coord.destroy()
-            if self.remote is not None:
-                self.remote.close()
+            _lifecycle.stop(self._engine, self._replicator, self._pipeline, self._preemption, timeout)
             self._unlock()
 
     def __enter__(self) -> CheckpointManager:

@@ -3,6 +3,8 @@
 - :mod:`.core`: :class:`~.core.Engine`, what the manager shares with the modules below (tiers, pools, staging,
   coordinator), and :class:`~.core.Components`, the manager's components as ``mgr.components`` shows them.
 - :mod:`.pipeline`: :class:`~.pipeline.SavePipeline`, a save from the caller's copy to a committed local step.
+- :mod:`.lifecycle`: the components' start-up (recovery, peers, replication), the wait for background work, the
+  order they stop in.
 - :mod:`.records`: the save records, ``saves.jsonl``, and the background errors re-raised on the next call.
 - :mod:`.restore`: choosing, verifying and loading a step into the live state, with fallback.
 - :mod:`.load`: a step read back as plain values, without a live state (``load()``, export, the DCP reader).
