@@ -60,6 +60,7 @@ from .errors import CheckpointNotFoundError
 from .handle import SaveRecord
 from .manager import CheckpointManager
 from .replication import Health
+from .replication.health import health_after_close
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class TieredCheckpointCallback(TrainerCallback):
                 try:
                     mgr.close(raise_upload_errors=self.strict_uploads)
                 finally:
-                    self.final_health = _health_after_close(mgr)
+                    self.final_health = health_after_close(mgr.health, "tierckpt.hf")
         finally:
             if self._resume_dir is not None:
                 shutil.rmtree(self._resume_dir, ignore_errors=True)
@@ -429,13 +430,6 @@ class TieredCheckpointCallback(TrainerCallback):
         self._loaded = None
         self.close()
 
-
-def _health_after_close(mgr: CheckpointManager) -> Health | None:
-    try:
-        return mgr.health()
-    except Exception as exc:  # never mask what close() raised
-        log.warning("tierckpt.hf: the manager's health after closing it is not known: %s", exc)
-        return None
 
 
 def _find_callback(trainer: Any) -> TieredCheckpointCallback:

@@ -76,6 +76,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..handle import SaveRecord
 from ..manager import CheckpointManager
 from ..replication import Health
+from ..replication.health import health_after_close
 from ._marker import MARKER_KEY, copy_tree, decode, encode, equal, read_marker, write_marker
 
 try:
@@ -378,7 +379,7 @@ class TieredCheckpointIO(CheckpointIO):
             try:
                 mgr.close(raise_upload_errors=self.strict_uploads)
             finally:
-                self.final_health = _health_after_close(mgr)
+                self.final_health = health_after_close(mgr.health, "TieredCheckpointIO")
                 with self._records_cond:
                     self._unresolved.clear()
                     self._early.clear()
@@ -471,13 +472,6 @@ class TieredCheckpointLogger(Callback):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _health_after_close(mgr: CheckpointManager) -> Health | None:
-    try:
-        return mgr.health()
-    except Exception as exc:  # never mask what close() raised
-        log.warning("TieredCheckpointIO: the manager's health after closing it is not known: %s", exc)
-        return None
-
 
 def _norm(path: Any) -> str:
     path = os.fspath(path)

@@ -3,6 +3,8 @@ both tiers for operators and dashboards) and :class:`UploadChannel` (the leader'
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,3 +60,13 @@ class UploadChannel(Protocol):
 
     def receive(self, seq: int, timeout_s: float) -> dict[str, Any] | None:
         """Follower: decision ``seq``, or None if it did not come within ``timeout_s``."""
+
+
+def health_after_close(health: Callable[[], Health], who: str) -> Health | None:
+    """``health()`` of a manager that was just closed, for a trainer plug-in to keep; None (logged as a warning
+    naming ``who``) when it cannot be told, so that it never masks what ``close()`` raised."""
+    try:
+        return health()
+    except Exception as exc:
+        logging.getLogger(__name__).warning("%s: the manager's health after closing it is not known: %s", who, exc)
+        return None
