@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..errors import StorageError
-from ..format import layout
+from ..format import layout, shard_index
 from ..peers import replicas as _replicas
 from ..tiers.memory import job_dir, steps_in_memory
 from ._common import (
@@ -224,6 +224,8 @@ def print_report(args: argparse.Namespace, report: Any) -> None:
     if report.world_size and report.world_size > 1:
         held = ranks_held(report.world_size, report.ranks)
         ranks = f", {report.world_size} ranks, shards here: {'all' if held is None else held}"
+        if report.index is not None and report.ok:
+            ranks += ", shard index checked"
     print(f"step {step}: {status} ({report.bytes / 2**20:.1f} MiB{ranks})")
     for err in report.errors:
         print(f"  error: {clean(args, err)}")
@@ -240,11 +242,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if step is None:
         raise UsageError("inspect needs --step N (or a step folder as ROOT)")
     manifest, rms = bounded(args, store, "read manifests of", lambda: read_manifests(store, step))
+    # a multi-rank step's shard index (docs/format.md section 15): one request, only for a copy of every rank
+    index: str | None = shard_index.index_name(manifest.save_id)
+    if len(manifest.ranks) < 2 or not bounded(args, store, "exists",
+                                               lambda: store.exists(f"{layout.step_dir(step)}/{index}")):
+        index = None
     if args.json:
         print(json.dumps({
             "ok": True, "root": store.url, "step": step, "world_size": manifest.world_size,
             "bytes": manifest.total_bytes, "created": manifest.created, "metadata": manifest.metadata,
-            "library_version": manifest.library_version,
+            "library_version": manifest.library_version, "shard_index": index,
             "tensors": [{"rank": rm.rank, "key": t.path, "name": t.name, "dtype": t.dtype,
                          "shape": list(t.shape), "bytes": t.nbytes, "file": rm.files[t.file].name}
                         for rm in rms for t in rm.tensors],
@@ -255,6 +262,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {step}: {manifest.world_size} rank(s), {manifest.total_bytes / 2**20:.2f} MiB, "
           f"tierckpt {manifest.library_version}")
     print(f"metadata: {json.dumps(manifest.metadata)}")
+    if index is not None:
+        print(f"shard index: {index} (not checked here; `tierckpt verify` checks it)")
     for rm in rms:
         print(f"rank {rm.rank}: {len(rm.files)} file(s), {len(rm.tensors)} tensor(s)")
         for t in rm.tensors:

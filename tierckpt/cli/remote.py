@@ -8,13 +8,16 @@ goes to stderr on a terminal only. Messages, failure lines included, name stores
 removed), never by the ``--storage-option`` values.
 
 - ``sync LOCAL REMOTE`` replicates every committed local step that the remote does not hold committed, through
-  :func:`tierckpt.tiers.uploader.replicate_step` (data, then rank manifests, then ``manifest.json`` last). It
+  :func:`tierckpt.tiers.uploader.replicate_step` (data, then rank manifests, then the shard index of a multi-rank
+  step with distributed tensors, then ``manifest.json`` last). It
   is resumable: an interrupted run leaves only uncommitted files, which the next run replaces. A remote step
   committed from another save (a different ``save_id``) is left alone and reported.
 - ``pull REMOTE LOCAL --step N`` streams one step into a local tier root, hashing every byte against the
   remote manifests as it arrives; compressed remote files are decompressed, and the rank manifests re-sealed
   without the compression fields, so the local copy is plain safetensors with the same checksums and
-  ``save_id``. It is written into a temporary folder and renamed into place (the local commit protocol), so a
+  ``save_id``. A multi-rank step with distributed tensors gets a shard index of the pulled copy's own references
+  (:func:`tierckpt.format.shard_index.of_copy`), so a resharding restore from it reads only the rank manifests it
+  needs. It is written into a temporary folder and renamed into place (the local commit protocol), so a
   failed pull leaves nothing visible. The local root's lock is taken for the duration, so a pull never races a
   live manager (exit 3 while one runs). A local copy of the step from another save (which may exist nowhere
   else) is replaced only with ``--force``; a damaged one, or one of the same save, is replaced by the verified
@@ -39,7 +42,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from ..format import hashing, layout
+from ..format import hashing, layout, shard_index
 from ..format.manifest import FileRecord, RankManifest, StepManifest
 from ..host.memory import huge_pages_available
 from ..storage import folder_lock
@@ -264,6 +267,9 @@ def pull_step(remote: Store, local: Store, step: int, *, threads: int = 4,
             local.write_bytes(join(staging, ref.name), raw)
         out = manifest if tuple(refs) == manifest.ranks else dataclasses.replace(manifest, ranks=tuple(refs))
         out = with_refs(out, pulled)  # what was referenced is the pulled step's own now
+        index = shard_index.of_copy(out)  # of the pulled references (re-sealed rank manifests differ from the remote's)
+        if index is not None:
+            local.write_bytes(join(staging, index[0]), index[1])
         local.write_bytes(join(staging, layout.STEP_MANIFEST), out.to_bytes())
         protocol.commit(local, staging, step)
     except BaseException:

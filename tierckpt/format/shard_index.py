@@ -3,9 +3,10 @@
 A restore onto another world size or sharding (resharding) needs, for each of its distributed-tensor targets, the
 saved ranks whose shards overlap it, and those ranks' manifest references (name, size, checksum). ``manifest.json``
 has both, for every rank: 150 bytes a rank, 1.25 MB at 8,192 ranks, read whole by every rank (10 GB from one
-object). The index, ``shards-<save id>.json`` in the step's folder of the remote tier (written by rank 0 before it
-commits the step; a node-local copy lists only its own ranks and has none), holds the same in a form a rank reads
-O(1) bytes of:
+object). The index, ``shards-<save id>.json`` in the step's folder (written before the copy's ``manifest.json``: by
+rank 0 on the remote tier, by ``sync`` on the remote it replicates to, by ``pull`` in the local copy it makes, each
+from that copy's own references, :func:`of_copy`; a node-local copy lists only its own ranks and has none), holds
+the same in a form a rank reads O(1) bytes of:
 
 - **Head** (the first line; sealed JSON, its checksum over its canonical form like a manifest's): the step, the save
   id, the world size, and for each device mesh the saved shards lie on (:func:`.shards.mesh_key`), the map from a
@@ -23,6 +24,8 @@ too), computes which mesh coordinates overlap its targets from the placements it
 reads only the blocks holding those ranks' references. Everything read is bounded before it is allocated and
 checked (:class:`~tierckpt.errors.CorruptCheckpointError` naming the step, tier and file); the rank manifests it
 leads to are still checked against the references, and every byte of data against its checksum.
+``tierckpt verify`` reads a copy's index whole and checks it against the copy's ``manifest.json``
+(:func:`check_head`, :func:`check_block`).
 
 Torch-free.
 """
@@ -39,7 +42,7 @@ from ..errors import CorruptCheckpointError
 from . import hashing
 from .checks import check_json_memory, unique_keys
 from .layout import check_file_name
-from .manifest import MAX_MANIFEST_BYTES, MAX_MESH_DIMS, MAX_MESHES, RankRef
+from .manifest import MAX_MANIFEST_BYTES, MAX_MESH_DIMS, MAX_MESHES, RankRef, StepManifest
 from .shards import UnknownPlacement, overlapping_coordinates
 
 FORMAT = "tierckpt.shards"
@@ -358,3 +361,63 @@ def ranks_overlapping(head: IndexHead, layouts: Iterable[Layout]) -> set[int] | 
     except (UnknownPlacement, TypeError, ValueError):
         return None
     return wanted
+
+
+# -------------------------------------------------------------------------------------------------- copies, checks
+def of_copy(manifest: StepManifest) -> tuple[str, bytes] | None:
+    """The file name and bytes of the index of a committed copy of a step whose manifest is ``manifest`` (built from
+    its own rank references, which differ between copies: a remote rank manifest names fan-out or compressed files),
+    or None for a copy that gets none: one holding only some ranks (a node's), or a step without distributed
+    tensors. Every writer of a copy (the sharded commit, ``sync``, ``pull``) writes this file before its
+    ``manifest.json``."""
+    if len(manifest.ranks) != manifest.world_size:
+        return None
+    raw = build(manifest.step, manifest.save_id, manifest.world_size, manifest.ranks)
+    return None if raw is None else (index_name(manifest.save_id), raw)
+
+
+def index_bytes(head: IndexHead) -> int:
+    """The length of the whole file ``head`` describes: its line, then one ``block_bytes`` block per
+    ``block_ranks`` ranks."""
+    return head.head_bytes + -(-head.world_size // head.block_ranks) * head.block_bytes
+
+
+def check_head(head: IndexHead, refs: Sequence[RankRef], size: int, *, tier: str | None = None,
+               path: str | None = None) -> None:
+    """Check a parsed head against the copy it is found in: the file is ``size`` bytes, as long as the head says
+    (:func:`index_bytes`: not cut short, nothing appended), and its meshes agree with the mesh coordinates of
+    ``refs`` (the copy's manifest references, those of every rank or of some): each rank's coordinate on a listed
+    mesh maps to that rank, and no coordinate maps to a rank that records another one. A mesh the head does not
+    list is not an error (a restore then reads ``manifest.json``). :class:`CorruptCheckpointError` naming the step,
+    ``tier`` and ``path`` otherwise."""
+    where = _Where(head.step, tier, path)
+    if size != index_bytes(head):
+        raise where.bad(f"it is {size} bytes, its head describes {index_bytes(head)} (truncated or appended to)")
+    at: dict[tuple[str, int], tuple[int, ...]] = {}
+    for ref in refs:
+        for key, coord in ref.mesh:
+            at[(key, ref.rank)] = tuple(coord)
+            mesh = head.meshes.get(key)
+            if mesh is not None and ref.rank not in mesh.at(coord):
+                raise where.bad(f"mesh {key} does not place rank {ref.rank} at {list(coord)}, where manifest.json "
+                                "does (stale: the index of another copy?)")
+    for key, mesh in head.meshes.items():
+        for coord in _coords(mesh.shape):
+            for rank in mesh.at(coord):
+                if at.get((key, rank), coord) != coord:
+                    raise where.bad(f"mesh {key} places rank {rank} at {list(coord)}, manifest.json at "
+                                    f"{list(at[(key, rank)])} (stale: the index of another copy?)")
+
+
+def check_block(raw: bytes, head: IndexHead, block: int, refs: dict[int, RankRef], *, tier: str | None = None,
+                path: str | None = None) -> None:
+    """Parse block ``block`` (:func:`parse_block`) and compare each of its references with ``refs`` (the copy's
+    manifest references by rank; a rank missing there, on a copy of some ranks, is not compared): the same rank
+    manifest name, size and checksum. :class:`CorruptCheckpointError` naming the step, ``tier`` and ``path``."""
+    for ref in parse_block(raw, head, block, tier=tier, path=path):
+        want = refs.get(ref.rank)
+        if want is not None and (want.name, want.size, want.checksum) != (ref.name, ref.size, ref.checksum):
+            raise _Where(head.step, tier, path).bad(
+                f"block {block}: rank {ref.rank}'s reference ({ref.name}, {ref.size} bytes, {ref.checksum[:12]}…) "
+                f"is not manifest.json's ({want.name}, {want.size} bytes, {want.checksum[:12]}…): stale, the "
+                "index of another copy of the step")

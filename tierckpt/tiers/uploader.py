@@ -8,12 +8,14 @@ thread, ``tierckpt sync`` from the command line. Invariants:
 - What is committed on the remote is never re-uploaded nor replaced: a remote ``manifest.json`` with the same
   ``save_id`` means the step is there already; one with another ``save_id`` (another run's, or an earlier save of
   a rolled-back run) raises :class:`~tierckpt.errors.StepConflictError` before anything is written.
-- The remote's commit protocol is followed: data files, then rank manifests, then ``manifest.json`` last, then
-  ``protocol.commit``. A step is visible on the remote only once every file it names is complete and checked (sizes
-  always; re-read and hashed with ``verify=True``). On failure before ``manifest.json`` is written, ``protocol.abort``
-  removes what was written; a failure (or a stall past the deadline) *while* ``manifest.json`` is being written
-  leaves the data in place, since the manifest may still land, and the next attempt finds either a committed step
-  (skip) or an uncommitted one (upload again).
+- The remote's commit protocol is followed: data files, then rank manifests, then the step's shard index (a
+  multi-rank step with distributed tensors, :func:`~tierckpt.format.shard_index.of_copy`: built from the remote
+  rank manifests' references, which differ from the local ones where a data file's stored name or form does), then
+  ``manifest.json`` last, then ``protocol.commit``. A step is visible on the remote only once every file it names
+  is complete and checked (sizes always; re-read and hashed with ``verify=True``). On failure before
+  ``manifest.json`` is written, ``protocol.abort`` removes what was written; a failure (or a stall past the
+  deadline) *while* ``manifest.json`` is being written leaves the data in place, since the manifest may still
+  land, and the next attempt finds either a committed step (skip) or an uncommitted one (upload again).
 - On an object store (``Store.spread_keys``) each data file is stored under its fan-out name
   (:func:`~tierckpt.format.layout.spread_name`, so that the step's objects spread over many key prefixes) and the
   remote rank manifests name it so; rank manifests and ``manifest.json`` keep their names in ``step-<N>/``.
@@ -41,7 +43,7 @@ from typing import Any
 
 from .. import faults
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StepConflictError, UploadError
-from ..format import hashing, layout
+from ..format import hashing, layout, shard_index
 from ..format.manifest import MAX_MANIFEST_BYTES, FileRecord, RankManifest, StepManifest
 from ..storage.base import Store, join
 from ..storage.commit import protocol_for, read_step_manifest
@@ -220,6 +222,10 @@ def replicate_step(
             new_manifest = with_refs(dataclasses.replace(manifest, ranks=tuple(new_refs)), remote_rms)
             if new_manifest != manifest:
                 raw_step = new_manifest.to_bytes()
+            index = shard_index.of_copy(new_manifest)  # of the remote's references, before the manifest names them
+            if index is not None:
+                rel = join(staging, index[0])
+                run_jobs(pool, ctx, [(rel, bytes_job(remote, ctx, rel, index[1], "write shard index", verify))])
             rel = join(staging, layout.STEP_MANIFEST)
             faults.point("before-remote-manifest")
             manifest_started = True

@@ -3,6 +3,12 @@
 Used by ``tierckpt verify`` and by :meth:`CheckpointManager.restore` to pick the newest intact step. Memory stays
 bounded (one chunk buffer per thread) whatever the checkpoint's size. Reports name every bad file; leftovers of
 crashed saves are reported separately and are never counted as corruption.
+
+A copy's shard index (``shards-<save id>.json``, :mod:`tierckpt.format.shard_index`), where it has one, is read once
+(its size, its head, its blocks a few MiB at a time: O(index size)) and checked against the copy's
+``manifest.json``: sealed, as long as its head says, each block's references those of the manifest, its meshes the
+ranks' coordinates. A damaged or stale index is a bad file of the step like any other, though the step still
+restores (from ``manifest.json``): deleting the index is a safe repair.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class StepReport:
     bad_files: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     extra_files: list[str] = field(default_factory=list)
+    #: the name of the copy's shard index, checked (None: the copy has none, or only some ranks were verified)
+    index: str | None = None
     #: the step stopped being committed while it was checked (deleted by a live job's retention, or replaced
     #: by another save): not a finding about it, so ``ok`` stays True
     removed: bool = False
@@ -47,7 +55,7 @@ class StepReport:
         return {
             "step": self.step, "ok": self.ok, "bytes": self.bytes, "created": self.created,
             "world_size": self.world_size, "ranks": self.ranks, "bad_files": self.bad_files, "errors": self.errors,
-            "extra_files": self.extra_files, "removed": self.removed,
+            "extra_files": self.extra_files, "removed": self.removed, "index": self.index,
         }
 
 
@@ -137,6 +145,17 @@ def verify_step(
             elif err is not None:
                 report.bad_files.append(rm.files[i].name)
                 report.errors.append(err)
+        if ranks is None:  # the whole copy: its index too (verifying some ranks checks what their restore reads)
+            try:
+                report.index = check_index(store, manifest)
+            except StorageError as exc:
+                failures.append(exc)
+            except CorruptCheckpointError as exc:
+                name = shard_index.index_name(manifest.save_id)
+                report.index = name
+                report.bad_files.append(name)
+                report.errors.append(f"{exc}; the step still restores (from manifest.json, as without an index), "
+                                     f"and deleting {name} is a safe repair")
     finally:
         if own:
             pool.shutdown()
@@ -181,3 +200,81 @@ def _extra_files(store: Store, manifest: StepManifest, rms: list[RankManifest] |
     known = ({layout.STEP_MANIFEST, shard_index.index_name(manifest.save_id)} | {r.name for r in manifest.ranks}
              | {f.name for rm in rms for f in rm.files})
     return [n for n in store.list(layout.step_dir(manifest.step)) if n not in known]
+
+
+class _NoIndex(Exception):
+    """The copy has no shard index."""
+
+
+#: Bytes of a shard index read at a time by :func:`check_index` (after its head).
+INDEX_CHUNK = 8 << 20
+
+
+def check_index(store: Store, manifest: StepManifest) -> str | None:
+    """Check the shard index of ``store``'s copy of ``manifest``'s step whole: its head and every block parse and
+    seal, the file is as long as its head says, each block's references equal ``manifest``'s and the head's meshes
+    agree with the ranks' coordinates (:func:`.format.shard_index.check_head`,
+    :func:`~.format.shard_index.check_block`). Returns the index's name, None where the copy has none. Reads its
+    size, at most :data:`~.format.shard_index.MAX_HEAD_BYTES` for the head, then the rest :data:`INDEX_CHUNK` bytes
+    at a time: O(index size), never more.
+
+    Raises :class:`CorruptCheckpointError` naming the step, tier and file for a damaged, cut or stale index, and
+    :class:`~tierckpt.errors.StorageError` when it cannot be read."""
+    name = shard_index.index_name(manifest.save_id)
+    rel = f"{layout.step_dir(manifest.step)}/{name}"
+    where = f"{store.url}/{rel}"
+
+    def io(fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (StorageError, _NoIndex):
+            raise
+        except PermissionError as exc:
+            raise StorageAccessError(f"read: access denied ({exc})", tier=store.tier, path=where,
+                                     step=manifest.step, transient=False) from None
+        except Exception as exc:  # a vanished file, a missing range, a folder of that name
+            raise CorruptCheckpointError(f"shard index: unreadable: {exc}", step=manifest.step, tier=store.tier,
+                                         path=where, bad_files=[name]) from None
+
+    def read(offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = io(lambda: store.readinto(rel, offset, memoryview(buf)))
+        if got != n:
+            raise CorruptCheckpointError(f"shard index: {got} bytes at {offset}, {n} expected (changed while "
+                                         "read?)", step=manifest.step, tier=store.tier, path=where, bad_files=[name])
+        return bytes(buf)
+
+    def size_of() -> int:
+        try:
+            return store.size(rel)
+        except FileNotFoundError:
+            raise _NoIndex from None
+
+    try:
+        size = io(size_of)
+    except _NoIndex:
+        return None
+    prefix = read(0, min(size, shard_index.HEAD_READ))
+    end = shard_index.head_line(prefix, step=manifest.step, tier=store.tier, path=where)
+    if end is None and size > len(prefix):  # a head longer than the first read (an irregular mesh of many ranks)
+        prefix = read(0, min(size, shard_index.MAX_HEAD_BYTES))
+        end = shard_index.head_line(prefix, step=manifest.step, tier=store.tier, path=where)
+    if end is None:
+        raise CorruptCheckpointError("shard index: its head ends before its line does (truncated?)",
+                                     step=manifest.step, tier=store.tier, path=where, bad_files=[name])
+    head = shard_index.parse_head(prefix[:end], step=manifest.step, save_id=manifest.save_id,
+                                  world_size=manifest.world_size, tier=store.tier, path=where)
+    shard_index.check_head(head, manifest.ranks, size, tier=store.tier, path=where)  # its size checked here
+    refs = {r.rank: r for r in manifest.ranks}
+    per_read = max(1, INDEX_CHUNK // head.block_bytes)
+    blocks = -(-head.world_size // head.block_ranks)
+    for first in range(0, blocks, per_read):
+        at = head.block_span(first)[0]
+        count = min(per_read, blocks - first)
+        raw = prefix[at : at + count * head.block_bytes]
+        if len(raw) < count * head.block_bytes:
+            raw = read(at, count * head.block_bytes)
+        for i in range(count):
+            shard_index.check_block(raw[i * head.block_bytes : (i + 1) * head.block_bytes], head, first + i, refs,
+                                    tier=store.tier, path=where)
+    return name
