@@ -382,11 +382,11 @@ def _write_index(remote: Store, final: StepManifest, retry: RetryPolicy) -> None
     """Rank 0, before the commit: the step's shard index next to where ``manifest.json`` goes (none for a step
     without distributed tensors). A failure to write it fails the commit as any other write does; a step committed
     without one (an older library's, or one whose index would be too large) is resharded from ``manifest.json``."""
-    raw = shard_index.build(final.step, final.save_id, final.world_size, final.ranks)
-    if raw is None:
+    found = shard_index.of_copy(final)
+    if found is None:
         return
-    rel = join(layout.step_dir(final.step), shard_index.index_name(final.save_id))
-    retry.call(lambda: remote.put_atomic(rel, raw), what=f"write {remote.url}/{rel}")
+    rel = join(layout.step_dir(final.step), found[0])
+    retry.call(lambda: remote.put_atomic(rel, found[1]), what=f"write {remote.url}/{rel}")
 
 
 def _reported(report: dict[str, Any]) -> RankRef:
