@@ -172,8 +172,24 @@ def job_save4(job: Job) -> None:
             torch.save(whole, job.root / "full_2d.pt")
         return {"placements": placed}
 
+    def strided_not_a_box() -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        # rows 2r, 2r+1 and 8+2r, 8+2r+1 of 16: two stretches, not one box
+        local = torch.arange(4, dtype=torch.float32) + 100 * job.rank
+        t = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2)], shape=torch.Size([16]),
+                               stride=(1,), run_check=False)
+        with manager(job.root, f"s{job.rank}", "remote_strided") as m:
+            try:
+                m.save(4, {"t": t})
+            except TypeError as exc:
+                return {"raised": str(exc), "steps": [s.step for s in m.steps()]}
+        return {"raised": None}
+
     job.phase("save", save)
     job.phase("save_2d", save_2d)
+    job.phase("strided_not_a_box", strided_not_a_box)
 
 
 def job_load2(job: Job) -> None:

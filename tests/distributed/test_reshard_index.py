@@ -101,6 +101,14 @@ def test_fsdp_over_tensor_parallel_reshards_through_the_index(jobs: tuple[Ranks,
         assert rec["rank_manifests"] == [["r00000", "r00001", "r00002"], ["r00001", "r00002", "r00003"]][rank], rec
 
 
+def test_a_strided_shard_that_is_not_one_box_is_refused_at_save_time(jobs: tuple[Ranks, Ranks]) -> None:
+    load2, _ = jobs
+    for rank in range(4):
+        rec = json.loads((load2.root / f"result-save4-r{rank}.json").read_text())["strided_not_a_box"]
+        assert rec["raised"] and "_S(0, 2)" in rec["raised"] and "not one box" in rec["raised"], rec
+        assert rec["steps"] == [], rec  # nothing saved, on any rank
+
+
 def test_two_to_four_fresh_ranks_read_the_index(jobs: tuple[Ranks, Ranks]) -> None:
     _, load4 = jobs
     index_size = _index(load4.root / "remote2", 2).stat().st_size

@@ -19,6 +19,7 @@ refused at save time (reduce them first).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterable
@@ -89,19 +90,27 @@ def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
     coord = mesh.get_coordinate()
     if coord is not None and StridedShard is not None and any(isinstance(p, StridedShard) for p in placements):
         # DTensor reports where a strided shard begins, not whether it is one box: the placements tell
-        names = [str(p) for p in placements]
-        shard = {"global_shape": list(t.shape), "placements": names, "mesh_shape": list(mesh.shape),
-                 "coordinate": list(coord), "offset": list(offset)}
-        try:
-            ok = same_box(shard, shape)
-        except UnknownPlacement as exc:
-            raise TypeError(f"cannot checkpoint a DTensor with placements {names}: {exc}; redistribute it so that "
-                            "each rank's shard is one box of the tensor") from None
-        if not ok:
-            raise TypeError(f"cannot checkpoint a DTensor with placements {names}: its local shard of shape "
-                            f"{list(shape)} at {list(offset)} is not where these placements put it")
+        problem = _strided_problem(tuple(t.shape), tuple(str(p) for p in placements), tuple(mesh.shape),
+                                   tuple(coord), tuple(shape), tuple(offset))
+        if problem is not None:
+            raise TypeError(f"cannot checkpoint a DTensor with placements {[str(p) for p in placements]}: {problem}")
     writer = coord is not None and all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
     return tuple(offset), writer
+
+
+@functools.lru_cache(maxsize=4096)
+def _strided_problem(global_shape: tuple[int, ...], placements: tuple[str, ...], mesh_shape: tuple[int, ...],
+                     coordinate: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]) -> str | None:
+    """Why a shard cut with strided placements cannot be stored as the box DTensor reports (``shape`` at
+    ``offset``), or None where it can. Remembered, so that a training loop's saves check each layout once."""
+    shard = {"global_shape": list(global_shape), "placements": list(placements), "mesh_shape": list(mesh_shape),
+             "coordinate": list(coordinate), "offset": list(offset)}
+    try:
+        if same_box(shard, shape):
+            return None
+    except UnknownPlacement as exc:
+        return f"{exc}; redistribute it so that each rank's shard is one box of the tensor"
+    return f"its local shard of shape {list(shape)} at {list(offset)} is not where these placements put it"
 
 
 def shard_info(t: Any) -> tuple[torch.Tensor, dict[str, Any], bool]:
