@@ -11,7 +11,8 @@ Jobs:
   ``remote_old`` (the index removed: a step saved before indexes) and ``remote_bad`` (the index damaged), then
   commits step 2 from 2 ranks to ``remote2``; restores step 3 of ``remote_2d`` into the same model under FSDP2
   alone on 2 ranks (fresh local folders).
-- ``load4`` (4 ranks, fresh local folders): restores step 2 of ``remote2`` onto 4 ranks.
+- ``load4`` (4 ranks, fresh local folders): restores step 2 of ``remote2`` onto 4 ranks, and step 3 of
+  ``remote_2d`` into the saving job's own layout (FSDP2 over tensor parallelism on (dp=2, tp=2)).
 
 Every read of a remote file is counted per rank (bytes and requests, by kind: the step manifest, the shard index,
 rank manifests) and recorded with the phase, beside whether the restore was bit-exact.
@@ -232,6 +233,22 @@ def job_load4(job: Job) -> None:
     mesh = init_device_mesh("cpu", (job.world,))
     # fresh nodes: every rank reads from the remote
     job.phase("indexed", lambda: restore(job, mesh, f"k{job.rank}", "remote2", {"w": "S0", "e": "S1", "b": "S0"}, 2))
+
+    def same_2d() -> dict[str, Any]:
+        reads = counting()
+        model, opt = model_2d(1)
+        train_step(model, opt)
+        st = {"model": model.state_dict(), "optim": opt.state_dict()}
+        with manager(job.root, f"v{job.rank}", "remote_2d") as m:
+            got = m.restore(st)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optim"])
+        ref, now = torch.load(job.root / "full_2d.pt"), full_state(model, opt)
+        exact = {k: same(now[k], v) for k, v in ref.items()} | {"same keys": sorted(now) == sorted(ref)}
+        return {"restored": got, "exact": exact, "warnings": []} | reads.record()
+
+    # fresh nodes, the saving job's (dp, tp) layout: strided targets, each rank's own saved shards
+    job.phase("same_2d", same_2d)
 
 
 JOBS = {"save4": job_save4, "load2": job_load2, "load4": job_load4}

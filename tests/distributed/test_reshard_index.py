@@ -101,6 +101,17 @@ def test_fsdp_over_tensor_parallel_reshards_through_the_index(jobs: tuple[Ranks,
         assert rec["rank_manifests"] == [["r00000", "r00001", "r00002"], ["r00001", "r00002", "r00003"]][rank], rec
 
 
+def test_fsdp_over_tensor_parallel_restores_into_its_own_layout_from_the_remote(jobs: tuple[Ranks, Ranks]) -> None:
+    _, load4 = jobs
+    for rank, rec in enumerate(load4.phases("same_2d")):
+        _exact(rec, 3)
+        # each rank's targets are its own saved shards, but the row-wise layer's bias is replicated over tp and
+        # stored by tp 0 only: ranks at tp 1 (1 and 3) also read their tp-0 partner's manifest, found in the index
+        partner = rank - rank % 2
+        assert rec["rank_manifests"] == sorted({f"r{partner:05d}", f"r{rank:05d}"}), rec
+        assert ("index" in rec["requests"]) == (rank != partner), rec
+
+
 def test_a_strided_shard_that_is_not_one_box_is_refused_at_save_time(jobs: tuple[Ranks, Ranks]) -> None:
     load2, _ = jobs
     for rank in range(4):
