@@ -2,11 +2,14 @@
 
     torchrun --nproc_per_node 2 examples/torchrun_train.py --local-dir /tmp/nvme/ckpt --remote-url /tmp/pfs/run1
     torchrun --nproc_per_node 2 examples/torchrun_train.py ... --steps 60   # again: restores step 30, trains to 60
+    torchrun --nproc_per_node 4 examples/torchrun_train.py ... --tp 2       # FSDP2 over 2-way tensor parallelism
     srun python examples/torchrun_train.py ...       # see examples/slurm.sbatch
 
 Runs on CPU with gloo (and on GPUs with NCCL for training; tierckpt's own coordination always uses gloo). The model
 is sharded with FSDP2 when available, so its parameters and optimizer state are DTensors: a checkpoint written by N
-ranks restores onto any number of ranks.
+ranks restores onto any number of ranks. With ``--tp N`` the ranks form a (data parallel, tensor parallel) mesh, as
+TorchTitan does: each layer is split over N tensor-parallel ranks, then FSDP2 shards it over the data-parallel ones;
+a checkpoint of either layout restores into the other.
 """
 
 from __future__ import annotations
@@ -39,25 +42,34 @@ def main() -> None:
     p.add_argument("--remote-url", default=None, help="shared folder or URL")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (FSDP2 shards over the rest)")
     args = p.parse_args()
     rank, world = setup()
+    if args.tp < 1 or world % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
               else torch.device("cpu"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(device)
+    dp_rank = rank // args.tp  # the ranks of one tensor-parallel group see the same batches
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        if args.tp > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     except ImportError:  # older torch: plain data parallel state, one copy per rank
-        pass
+        if args.tp > 1:
+            raise SystemExit("--tp needs torch >= 2.6 (FSDP2 and tensor parallelism)") from None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1234 + rank)
+    gen = torch.Generator().manual_seed(1234 + dp_rank)
     # Sharded optimizer state is checkpointed through DCP's state-dict helpers, which create it (as DTensors) before
     # the first step, so that a restore has tensors of the right layout to load into.
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -70,7 +82,7 @@ def main() -> None:
     if start:
         set_optimizer_state_dict(model, opt, state["optimizer"])
     if rank == 0:
-        print(f"world {world}: starting at step {start}", flush=True)
+        print(f"world {world} (tp {args.tp}): starting at step {start}", flush=True)
     for step in range(start + 1, args.steps + 1):
         x = torch.randn(32, 64, generator=gen).to(device)
         loss = model(x).square().mean()

@@ -92,15 +92,17 @@ def test_prometheus_example_fresh_then_resumed(tmp_path: Path, cwd: Path) -> Non
     assert list(cwd.iterdir()) == []
 
 
-def test_torchrun_train_on_two_ranks_fresh_then_resumed(tmp_path: Path, cwd: Path) -> None:
+def test_torchrun_train_on_two_ranks_fresh_then_resumed_with_tensor_parallelism(tmp_path: Path, cwd: Path) -> None:
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               str(EXAMPLES / "torchrun_train.py"), "--local-dir", str(tmp_path / "nvme"),
               "--remote-url", str(tmp_path / "pfs"), "--every", "5"]
     first = _run([*launch, "--steps", "10"], cwd)
-    assert "world 2: starting at step 0" in first, first
+    assert "world 2 (tp 1): starting at step 0" in first, first
     assert "done: [(5, 'local+remote'), (10, 'local+remote')]" in first, first
-    second = _run([*launch, "--steps", "15"], cwd)  # a restarted job: restores step 10 and trains on to 15
-    assert "world 2: starting at step 10" in second, second
+    # a restarted job, now with 2-way tensor parallelism under FSDP2: restores the FSDP step 10 into its 2-D
+    # layout and trains on to 15
+    second = _run([*launch, "--steps", "15", "--tp", "2"], cwd)
+    assert "world 2 (tp 2): starting at step 10" in second, second
     assert "done: [(5, 'remote'), (10, 'local+remote'), (15, 'local+remote')]" in second, second  # keep_local=2
     assert list(cwd.iterdir()) == []
 
