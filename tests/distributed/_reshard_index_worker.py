@@ -181,12 +181,18 @@ def job_save4(job: Job) -> None:
         local = torch.arange(4, dtype=torch.float32) + 100 * job.rank
         t = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2)], shape=torch.Size([16]),
                                stride=(1,), run_check=False)
+        from torch.distributed.tensor import Partial
+
+        partial = DTensor.from_local(local, mesh, [Partial()], run_check=False)  # a sum not yet reduced
+        out: dict[str, Any] = {"raised": None, "partial": None}
         with manager(job.root, f"s{job.rank}", "remote_strided") as m:
-            try:
-                m.save(4, {"t": t})
-            except TypeError as exc:
-                return {"raised": str(exc), "steps": [s.step for s in m.steps()]}
-        return {"raised": None}
+            for key, value in (("raised", t), ("partial", partial)):
+                try:
+                    m.save(4, {"t": value})
+                except TypeError as exc:
+                    out[key] = str(exc)
+            out["steps"] = [s.step for s in m.steps()]
+        return out
 
     job.phase("save", save)
     job.phase("save_2d", save_2d)

@@ -112,11 +112,14 @@ def test_fsdp_over_tensor_parallel_restores_into_its_own_layout_from_the_remote(
         assert ("index" in rec["requests"]) == (rank != partner), rec
 
 
-def test_a_strided_shard_that_is_not_one_box_is_refused_at_save_time(jobs: tuple[Ranks, Ranks]) -> None:
+def test_a_strided_shard_not_one_box_and_a_partial_one_are_refused_at_save(jobs: tuple[Ranks, Ranks]) -> None:
     load2, _ = jobs
     for rank in range(4):
         rec = json.loads((load2.root / f"result-save4-r{rank}.json").read_text())["strided_not_a_box"]
         assert rec["raised"] and "_S(0, 2)" in rec["raised"] and "not one box" in rec["raised"], rec
+        assert "the DTensor at state['t']" in rec["raised"], rec  # names the key
+        assert rec["partial"] and "the DTensor at state['t']" in rec["partial"], rec  # and a Partial one
+        assert "reduce Partial placements first" in rec["partial"], rec
         assert rec["steps"] == [], rec  # nothing saved, on any rank
 
 

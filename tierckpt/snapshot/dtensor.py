@@ -75,8 +75,9 @@ def is_dtensor(obj: Any) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
-    """(global offset of this rank's shard, whether this rank writes it) for a DTensor ``t``.
+def local_box(t: Any, what: str = "a DTensor") -> tuple[tuple[int, ...], bool]:
+    """(global offset of this rank's shard, whether this rank writes it) for a DTensor ``t``; ``what`` names it in
+    errors (its key path, where known).
 
     Raises ``TypeError`` for a placement other than ``Shard``, ``_StridedShard`` and ``Replicate``, and for strided
     placements that leave this rank's shard in several stretches of the global tensor (not one box)."""
@@ -85,7 +86,7 @@ def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
     kinds = (Shard, Replicate) if StridedShard is None else (Shard, Replicate, StridedShard)
     for p in placements:
         if not isinstance(p, kinds):
-            raise TypeError(f"cannot checkpoint a DTensor with placement {p}: reduce Partial placements first")
+            raise TypeError(f"cannot checkpoint {what} with placement {p}: reduce Partial placements first")
     shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     coord = mesh.get_coordinate()
     if coord is not None and StridedShard is not None and any(isinstance(p, StridedShard) for p in placements):
@@ -93,7 +94,7 @@ def local_box(t: Any) -> tuple[tuple[int, ...], bool]:
         problem = _strided_problem(tuple(t.shape), tuple(str(p) for p in placements), tuple(mesh.shape),
                                    tuple(coord), tuple(shape), tuple(offset))
         if problem is not None:
-            raise TypeError(f"cannot checkpoint a DTensor with placements {[str(p) for p in placements]}: {problem}")
+            raise TypeError(f"cannot checkpoint {what}: {problem}")
     writer = coord is not None and all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
     return tuple(offset), writer
 
@@ -110,12 +111,14 @@ def _strided_problem(global_shape: tuple[int, ...], placements: tuple[str, ...],
             return None
     except UnknownPlacement as exc:
         return f"{exc}; redistribute it so that each rank's shard is one box of the tensor"
-    return f"its local shard of shape {list(shape)} at {list(offset)} is not where these placements put it"
+    return (f"with placements {list(placements)}, its local shard of shape {list(shape)} at {list(offset)} is not "
+            "where these placements put it")
 
 
-def shard_info(t: Any) -> tuple[torch.Tensor, dict[str, Any], bool]:
-    """The local shard (contiguous), its shard description, and whether this rank stores it."""
-    offset, writer = local_box(t)
+def shard_info(t: Any, path: str | None = None) -> tuple[torch.Tensor, dict[str, Any], bool]:
+    """The local shard (contiguous), its shard description, and whether this rank stores it; ``path``, the value's
+    key path, is named in errors (``TypeError`` from :func:`local_box`)."""
+    offset, writer = local_box(t, "a DTensor" if path is None else f"the DTensor at {path}")
     local = t.to_local()
     mesh = t.device_mesh
     info = {

@@ -491,7 +491,7 @@ class _Flattener:
         if isinstance(obj, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(obj)).decode()}
         if is_dtensor(obj):
-            local, info, writer = shard_info(obj)
+            local, info, writer = shard_info(obj, path)
             code = TORCH_TO_CODE.get(local.dtype)
             if code is None:
                 raise TypeError(f"cannot checkpoint tensor of dtype {local.dtype} at {path}")
