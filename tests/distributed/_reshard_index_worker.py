@@ -149,6 +149,22 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     return out
 
 
+def restore_2d(job: Job, built: tuple[torch.nn.Module, torch.optim.Optimizer], local: str) -> dict[str, Any]:
+    """Restore step 3 of ``remote_2d`` into a model and optimizer trained one step (so the optimizer has state to
+    restore into), from the fresh local folder ``local``; whether every tensor is the saved one, bit for bit."""
+    reads = counting()
+    model, opt = built
+    train_step(model, opt)
+    st = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with manager(job.root, local, "remote_2d") as m:
+        got = m.restore(st)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optim"])
+    ref, now = torch.load(job.root / "full_2d.pt"), full_state(model, opt)
+    exact = {k: same(now[k], v) for k, v in ref.items()} | {"same keys": sorted(now) == sorted(ref)}
+    return {"restored": got, "exact": exact, "warnings": []} | reads.record()
+
+
 def job_save4(job: Job) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -216,21 +232,8 @@ def job_load2(job: Job) -> None:
 
     job.phase("save2", save)
 
-    def fsdp_from_2d() -> dict[str, Any]:
-        reads = counting()
-        model, opt = model_fsdp(1)
-        train_step(model, opt)
-        st = {"model": model.state_dict(), "optim": opt.state_dict()}
-        with manager(job.root, f"u{job.rank}", "remote_2d") as m:
-            got = m.restore(st)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optim"])
-        ref = torch.load(job.root / "full_2d.pt")
-        now = full_state(model, opt)
-        exact = {k: same(now[k], v) for k, v in ref.items()} | {"same keys": sorted(now) == sorted(ref)}
-        return {"restored": got, "exact": exact, "warnings": []} | reads.record()
-
-    job.phase("fsdp_from_2d", fsdp_from_2d)
+    # fresh nodes, FSDP2 alone on 2 ranks: the 2-D step resharded
+    job.phase("fsdp_from_2d", lambda: restore_2d(job, model_fsdp(1), f"u{job.rank}"))
 
 
 def job_load4(job: Job) -> None:
@@ -240,21 +243,8 @@ def job_load4(job: Job) -> None:
     # fresh nodes: every rank reads from the remote
     job.phase("indexed", lambda: restore(job, mesh, f"k{job.rank}", "remote2", {"w": "S0", "e": "S1", "b": "S0"}, 2))
 
-    def same_2d() -> dict[str, Any]:
-        reads = counting()
-        model, opt = model_2d(1)
-        train_step(model, opt)
-        st = {"model": model.state_dict(), "optim": opt.state_dict()}
-        with manager(job.root, f"v{job.rank}", "remote_2d") as m:
-            got = m.restore(st)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optim"])
-        ref, now = torch.load(job.root / "full_2d.pt"), full_state(model, opt)
-        exact = {k: same(now[k], v) for k, v in ref.items()} | {"same keys": sorted(now) == sorted(ref)}
-        return {"restored": got, "exact": exact, "warnings": []} | reads.record()
-
     # fresh nodes, the saving job's (dp, tp) layout: strided targets, each rank's own saved shards
-    job.phase("same_2d", same_2d)
+    job.phase("same_2d", lambda: restore_2d(job, model_2d(1), f"v{job.rank}"))
 
 
 JOBS = {"save4": job_save4, "load2": job_load2, "load4": job_load4}
