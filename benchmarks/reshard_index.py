@@ -95,7 +95,7 @@ def one_world(world: int, tensors: int, sample: int, root: Path, tp: int = 1) ->
         # after: the index's head, the ranks that overlap, the blocks naming them
         store.requests = store.bytes = 0
         t0 = time.perf_counter()
-        found = sharded._index_head(store, manifest)
+        found = sharded.index_head(store, manifest)
         assert found is not None
         t1 = time.perf_counter()
         wanted = shard_index.ranks_overlapping(found[1], [((rows, 1024), placements, mesh, key, box)] * tensors)

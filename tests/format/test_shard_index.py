@@ -97,7 +97,7 @@ def test_index_of_a_regular_split_does_not_grow_with_the_world_size(tmp_path: Pa
     store.makedirs("step-0000000007")
     store.put_atomic(f"step-0000000007/{shard_index.index_name(SID)}", large)
     manifest = StepManifest(step=7, world_size=8192, save_id=SID, ranks=refs(1), total_bytes=0)
-    found = sharded._index_head(store, manifest)
+    found = sharded.index_head(store, manifest)
     assert found is not None
     got = sharded._index_refs(store, found[1], found[2], [4000, 4001])
     assert got[4001] == dataclasses.replace(refs(8192)[4001], mesh=())
@@ -106,7 +106,7 @@ def test_index_of_a_regular_split_does_not_grow_with_the_world_size(tmp_path: Pa
     small_store = CountingStore(tmp_path / "small")
     small_store.makedirs("step-0000000007")
     small_store.put_atomic(f"step-0000000007/{shard_index.index_name(SID)}", small)
-    found = sharded._index_head(small_store, dataclasses.replace(manifest, world_size=8))
+    found = sharded.index_head(small_store, dataclasses.replace(manifest, world_size=8))
     assert found is not None and sharded._index_refs(small_store, found[1], found[2], [3])[3].checksum == f"{3:032x}"
     assert small_store.reads == 1  # a small job's index is read whole with the head
 
@@ -202,7 +202,7 @@ def test_index_read_in_ranges_from_each_remote_kind_and_a_truncated_one_is_corru
     store.makedirs(folder)
     store.put_atomic(f"{folder}/{shard_index.index_name(SID)}", raw)
     manifest = StepManifest(step=7, world_size=world, save_id=SID, ranks=refs(1), total_bytes=0)
-    found = sharded._index_head(store, manifest)
+    found = sharded.index_head(store, manifest)
     assert found is not None and len(found[2]) == shard_index.HEAD_READ
     got = sharded._index_refs(store, found[1], found[2], [10, 299])
     assert [got[r] for r in (10, 299)] == [dataclasses.replace(refs(world)[r], mesh=()) for r in (10, 299)]
@@ -210,13 +210,13 @@ def test_index_read_in_ranges_from_each_remote_kind_and_a_truncated_one_is_corru
     # storage failure (a reader then falls back to manifest.json)
     head = found[1]
     store.put_atomic(f"{folder}/{shard_index.index_name(SID)}", raw[: head.block_span(2)[0] + 100])
-    found = sharded._index_head(store, manifest)
+    found = sharded.index_head(store, manifest)
     assert found is not None and sharded._index_refs(store, found[1], found[2], [70])[70].rank == 70
     for rank in (150, 299):
         with pytest.raises(CorruptCheckpointError, match="shard index") as exc:
             sharded._index_refs(store, found[1], found[2], [rank])
         assert exc.value.step == 7 and exc.value.tier == "remote" and shard_index.index_name(SID) in str(exc.value)
-    assert sharded._index_head(store, dataclasses.replace(manifest, save_id="f" * 16)) is None  # another save's
+    assert sharded.index_head(store, dataclasses.replace(manifest, save_id="f" * 16)) is None  # another save's
 
 
 def test_an_index_that_misplaces_the_ranks_already_read_is_not_used(tmp_path: Path,
@@ -261,6 +261,6 @@ def test_a_remote_that_cannot_be_read_for_the_index_leaves_the_step_manifest_pat
                        error_factory=lambda op, n: StorageUnavailableError(f"injected: {op} #{n}", tier="remote"))
     manifest = StepManifest(step=7, world_size=8, save_id=SID, ranks=refs(1), total_bytes=0)
     with pytest.raises(StorageUnavailableError):
-        sharded._index_head(down, manifest)
+        sharded.index_head(down, manifest)
     layouts = [((16, 2), ("S(0)",), (8,), "8", ((0, 0), (4, 2)))]
     assert sharded.indexed_rank_manifests([down], manifest, layouts, {}, lambda t: None) is False

@@ -46,6 +46,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StepConflictError,
+    StorageAccessError,
     StorageError,
     UploadError,
 )
@@ -418,7 +419,7 @@ def indexed_rank_manifests(tiers: list[Store], manifest: StepManifest, layouts: 
     meet the error if they do): the caller then reads as without one. ``manifest`` may be cut down to any rank
     (only its step, save id and world size are used). A storage error reading a rank's manifest propagates."""
     try:
-        found = next((f for f in (_index_head(t, manifest) for t in tiers) if f is not None), None)
+        found = next((f for f in (index_head(t, manifest) for t in tiers) if f is not None), None)
         if found is None:
             return False
         tier, head, prefix = found
@@ -464,10 +465,13 @@ def indexed_rank_manifests(tiers: list[Store], manifest: StepManifest, layouts: 
     return True
 
 
-def _index_head(store: Store, manifest: StepManifest) -> tuple[Store, shard_index.IndexHead, bytes] | None:
+def index_head(store: Store, manifest: StepManifest) -> tuple[Store, shard_index.IndexHead, bytes] | None:
     """``store``'s shard index of ``manifest``'s save: (store, its verified head, the file's first bytes read), or
-    None if it has none. Reads :data:`~.format.shard_index.HEAD_READ` bytes, more only for a head that long."""
-    rel = join(layout.step_dir(manifest.step), shard_index.index_name(manifest.save_id))
+    None if it has none. Reads :data:`~.format.shard_index.HEAD_READ` bytes, more only for a head that long. Raises
+    :class:`CorruptCheckpointError` naming the file for one that is cut short, vanishes or cannot be parsed, and
+    :class:`~tierckpt.errors.StorageError` (access denied included) where the store cannot be read."""
+    name = shard_index.index_name(manifest.save_id)
+    rel = join(layout.step_dir(manifest.step), name)
     where = f"{store.url}/{rel}"
     prefix = b""
     ask = shard_index.HEAD_READ
@@ -478,20 +482,23 @@ def _index_head(store: Store, manifest: StepManifest) -> tuple[Store, shard_inde
         except FileNotFoundError:
             if prefix:
                 raise CorruptCheckpointError("shard index: it vanished while read", step=manifest.step,
-                                             tier=store.tier, path=where) from None
+                                             tier=store.tier, path=where, bad_files=[name]) from None
             return None
         except StorageError:
             raise
+        except PermissionError as exc:
+            raise StorageAccessError(f"read: access denied ({exc})", tier=store.tier, path=where,
+                                     step=manifest.step, transient=False) from None
         except Exception as exc:
             raise CorruptCheckpointError(f"shard index: unreadable: {exc}", step=manifest.step, tier=store.tier,
-                                         path=where) from None
+                                         path=where, bad_files=[name]) from None
         prefix += bytes(buf[:n])
         end = shard_index.head_line(prefix, step=manifest.step, tier=store.tier, path=where)
         if end is not None:
             break
         if n < ask:
             raise CorruptCheckpointError("shard index: its head ends before its line does (truncated?)",
-                                         step=manifest.step, tier=store.tier, path=where)
+                                         step=manifest.step, tier=store.tier, path=where, bad_files=[name])
         ask = min(ask * 2, shard_index.MAX_HEAD_BYTES)
     head = shard_index.parse_head(prefix[:end], step=manifest.step, save_id=manifest.save_id,
                                   world_size=manifest.world_size, tier=store.tier, path=where)

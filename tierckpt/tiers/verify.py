@@ -28,6 +28,7 @@ from . import reader
 from .listing import RootListing as RootListing  # the root's listing, imported from here too
 from .listing import list_root as list_root
 from .reader import read_manifests
+from .sharded import index_head
 from .stream import stream_file
 
 T = TypeVar("T")
@@ -202,10 +203,6 @@ def _extra_files(store: Store, manifest: StepManifest, rms: list[RankManifest] |
     return [n for n in store.list(layout.step_dir(manifest.step)) if n not in known]
 
 
-class _NoIndex(Exception):
-    """The copy has no shard index."""
-
-
 #: Bytes of a shard index read at a time by :func:`check_index` (after its head).
 INDEX_CHUNK = 8 << 20
 
@@ -214,9 +211,9 @@ def check_index(store: Store, manifest: StepManifest) -> str | None:
     """Check the shard index of ``store``'s copy of ``manifest``'s step whole: its head and every block parse and
     seal, the file is as long as its head says, each block's references equal ``manifest``'s and the head's meshes
     agree with the ranks' coordinates (:func:`.format.shard_index.check_head`,
-    :func:`~.format.shard_index.check_block`). Returns the index's name, None where the copy has none. Reads its
-    size, at most :data:`~.format.shard_index.MAX_HEAD_BYTES` for the head, then the rest :data:`INDEX_CHUNK` bytes
-    at a time: O(index size), never more.
+    :func:`~.format.shard_index.check_block`). Returns the index's name, None where the copy has none. Reads the
+    head as a restore does (:func:`.sharded.index_head`: 16 KiB, more only for a longer head), the file's size,
+    then the rest :data:`INDEX_CHUNK` bytes at a time: O(index size), never more.
 
     Raises :class:`CorruptCheckpointError` naming the step, tier and file for a damaged, cut or stale index, and
     :class:`~tierckpt.errors.StorageError` when it cannot be read."""
@@ -227,7 +224,7 @@ def check_index(store: Store, manifest: StepManifest) -> str | None:
     def io(fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except (StorageError, _NoIndex):
+        except StorageError:
             raise
         except PermissionError as exc:
             raise StorageAccessError(f"read: access denied ({exc})", tier=store.tier, path=where,
@@ -244,26 +241,11 @@ def check_index(store: Store, manifest: StepManifest) -> str | None:
                                          "read?)", step=manifest.step, tier=store.tier, path=where, bad_files=[name])
         return bytes(buf)
 
-    def size_of() -> int:
-        try:
-            return store.size(rel)
-        except FileNotFoundError:
-            raise _NoIndex from None
-
-    try:
-        size = io(size_of)
-    except _NoIndex:
+    found = index_head(store, manifest)
+    if found is None:
         return None
-    prefix = read(0, min(size, shard_index.HEAD_READ))
-    end = shard_index.head_line(prefix, step=manifest.step, tier=store.tier, path=where)
-    if end is None and size > len(prefix):  # a head longer than the first read (an irregular mesh of many ranks)
-        prefix = read(0, min(size, shard_index.MAX_HEAD_BYTES))
-        end = shard_index.head_line(prefix, step=manifest.step, tier=store.tier, path=where)
-    if end is None:
-        raise CorruptCheckpointError("shard index: its head ends before its line does (truncated?)",
-                                     step=manifest.step, tier=store.tier, path=where, bad_files=[name])
-    head = shard_index.parse_head(prefix[:end], step=manifest.step, save_id=manifest.save_id,
-                                  world_size=manifest.world_size, tier=store.tier, path=where)
+    _, head, prefix = found
+    size = io(lambda: store.size(rel))
     shard_index.check_head(head, manifest.ranks, size, tier=store.tier, path=where)  # its size checked here
     refs = {r.rank: r for r in manifest.ranks}
     per_read = max(1, INDEX_CHUNK // head.block_bytes)
