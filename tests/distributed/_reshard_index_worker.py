@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed._reshard_worker import Job, distribute, manager, same  # noqa: E402
+from tests.distributed._reshard_worker import Job, distribute, manager, run, same  # noqa: E402
 
 SAVE = {"w": "S0", "e": "S1", "b": "R"}
 
@@ -251,20 +251,7 @@ JOBS = {"save4": job_save4, "load2": job_load2, "load4": job_load4}
 
 
 def main() -> None:
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    name, rank, world, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/pg-{name}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
-        JOBS[name](Job(name, rank, world, root))
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown (seconds of torch atexit work on a 2-core box)
+    run(JOBS)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -427,7 +428,9 @@ def job_load3(job: Job) -> None:
 JOBS = {"save2": job_save2, "load4": job_load4, "load3": job_load3}
 
 
-def main() -> None:
+def run(jobs: dict[str, Callable[[Job], None]], after: Callable[[Job], None] | None = None) -> None:
+    """Run job ``sys.argv[1]`` of ``jobs`` as rank ``sys.argv[2]`` of ``sys.argv[3]`` in a gloo group under the root
+    ``sys.argv[4]``; ``after(job)`` once the group is gone; then exit without the interpreter's teardown."""
     import torch.distributed as dist
 
     name, rank, world, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
@@ -436,12 +439,22 @@ def main() -> None:
                             timeout=datetime.timedelta(seconds=90))
     job = Job(name, rank, world, root)
     try:
-        JOBS[name](job)
+        jobs[name](job)
     finally:
         dist.destroy_process_group()
-    if rank == 0 and name == "save2":  # a pristine copy of the remote, for restores after load4 damages it
-        shutil.copytree(root / "remote", root / "remote_pristine")
+    if after is not None:
+        after(job)
     os._exit(0)  # skip interpreter teardown (seconds of torch atexit work on a 2-core box)
+
+
+def keep_pristine_remote(job: Job) -> None:
+    """After ``save2``, rank 0 keeps a pristine copy of the remote, for restores after ``load4`` damages it."""
+    if job.rank == 0 and job.name == "save2":
+        shutil.copytree(job.root / "remote", job.root / "remote_pristine")
+
+
+def main() -> None:
+    run(JOBS, keep_pristine_remote)
 
 
 if __name__ == "__main__":
