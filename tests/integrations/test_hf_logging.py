@@ -11,15 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests._support.lazy import lazy, requires, subclass
+from tests._support.lazy import requires, subclass
+from tests.integrations._hf_names import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, tierhf
 from tierckpt.testing import refused_url
 
 pytestmark = requires("transformers")
-GPT2Config = lazy("transformers", "GPT2Config")
-GPT2LMHeadModel = lazy("transformers", "GPT2LMHeadModel")
-Trainer = lazy("transformers", "Trainer")
-TrainingArguments = lazy("transformers", "TrainingArguments")
-tierhf = lazy("tierckpt.hf")
 
 EVERY = 2
 
